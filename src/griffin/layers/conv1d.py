@@ -1,0 +1,55 @@
+"""The causal depthwise Conv1D of the recurrent block (Section 2.3, temporal width 4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def conv1d_keep_mask(reset: Tensor, shift: int, start: int) -> Tensor:
+    """For outputs t >= start: True where no document starts in (t - shift, t] (inside this chunk)."""
+    batch, T = reset.shape
+    keep = torch.ones(batch, T - start, dtype=torch.bool, device=reset.device)
+    for j in range(shift):  # a document starting at t - j hides x_{t-shift}
+        first = max(start, j)
+        keep[:, first - start :] &= ~reset[:, first - j : T - j]
+    return keep
+
+
+class CausalConv1D(nn.Module):
+    """y_t = b + sum_{s=0}^{K-1} w[K-1-s] * x_{t-s}, separately for each channel.
+
+    ``w`` has shape (K, width); ``w[K-1]`` multiplies the current input. With ``reset`` (B, T), a term
+    x_{t-s} is dropped when a document starts in (t-s, t], so no document sees the one before it.
+    The sum is accumulated over shifted slices, so no padded copy of the sequence is made.
+    """
+
+    def __init__(self, width: int, temporal_width: int = 4) -> None:
+        super().__init__()
+        self.temporal_width = temporal_width
+        self.w = nn.Parameter(torch.empty(temporal_width, width))
+        self.b = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self, w_init_variance_scale: float = 0.01) -> None:
+        nn.init.normal_(self.w, std=math.sqrt(w_init_variance_scale / self.temporal_width))
+        nn.init.zeros_(self.b)
+
+    def forward(self, x: Tensor, reset: Tensor | None = None, state: Tensor | None = None) -> Tensor:
+        """x: (B, T, width). ``state``: optional (B, K-1, width) inputs that precede x (decoding)."""
+        K, T = self.temporal_width, x.shape[1]
+        if state is not None:
+            x = torch.cat([state.to(x.dtype), x], dim=1)
+        offset = x.shape[1] - T
+        out = x[:, offset:] * self.w[K - 1] + self.b
+        for s in range(1, K):
+            start = max(0, s - offset)  # first output with an input s steps back
+            if start >= T:
+                break
+            term = x[:, offset + start - s : offset + T - s] * self.w[K - 1 - s]
+            if reset is not None:
+                term = term * conv1d_keep_mask(reset, s, start)[..., None].to(term.dtype)
+            out[:, start:] += term
+        return out

@@ -1,0 +1,32 @@
+"""The gated MLP block (Section 2.2): two D -> M*D branches, GeLU on one, product, M*D -> D."""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, width: int, mlp_width: int, gelu_approximation: str = "tanh",
+                 final_init_scale: float = 1.0) -> None:
+        super().__init__()
+        self.gelu_approximation = gelu_approximation
+        self.final_init_scale = final_init_scale
+        self.gate_proj = nn.Linear(width, mlp_width)
+        self.up_proj = nn.Linear(width, mlp_width)
+        self.down_proj = nn.Linear(mlp_width, width)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        width, mlp_width = self.gate_proj.in_features, self.gate_proj.out_features
+        for lin in (self.gate_proj, self.up_proj):
+            nn.init.normal_(lin.weight, std=math.sqrt(1.0 / width))
+            nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.down_proj.weight, std=math.sqrt(self.final_init_scale / mlp_width))
+        nn.init.zeros_(self.down_proj.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = F.gelu(self.gate_proj(x), approximate=self.gelu_approximation)
+        return self.down_proj(gate * self.up_proj(x))

@@ -1,0 +1,111 @@
+"""The Real-Gated Linear Recurrent Unit (Section 2.4) and its complex variant, the CG-LRU (Appendix B)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from griffin.ops.rg_lru import rg_lru, sqrt_bound_derivative
+from griffin.ops.scan import linear_scan
+
+
+class BlockDiagonalLinear(nn.Module):
+    """y = x W + b with W block-diagonal: ``blocks`` independent (in/blocks -> out/blocks) maps (Section 4.1)."""
+
+    def __init__(self, in_width: int, out_width: int, blocks: int, w_init_variance_scale: float = 1.0) -> None:
+        super().__init__()
+        if in_width % blocks or out_width % blocks:
+            raise ValueError(f"widths {in_width} -> {out_width} are not divisible by blocks={blocks}")
+        self.blocks = blocks
+        self.w_init_variance_scale = w_init_variance_scale
+        self.w = nn.Parameter(torch.empty(blocks, in_width // blocks, out_width // blocks))
+        self.b = nn.Parameter(torch.empty(blocks, out_width // blocks))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # LeCun initialisation per block (Section 2.4).
+        nn.init.normal_(self.w, std=math.sqrt(self.w_init_variance_scale / self.w.shape[1]))
+        nn.init.zeros_(self.b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xb = x.unflatten(-1, (self.blocks, -1))
+        y = torch.einsum("...hi,hij->...hj", xb, self.w) + self.b
+        return y.flatten(-2)
+
+
+def init_a_param(a_param: Tensor, min_rad: float, max_rad: float, eps: float = 1e-8) -> None:
+    """Lambda such that a = exp(-softplus(Lambda)) has a^2 uniform in [min_rad^2, max_rad^2] (Section 2.4)."""
+    with torch.no_grad():
+        a_param.uniform_(min_rad**2 + eps, max_rad**2 + eps)
+        a_param.log_().mul_(0.5)  # log a
+        a_param.neg_().exp_().sub_(1.0).log_()  # softplus^-1(-log a)
+
+
+class RGLRU(nn.Module):
+    """r_t = sigmoid(W_a x_t + b_a); i_t = sigmoid(W_x x_t + b_x); a_t = a^(c r_t);
+    h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t), with a = sigmoid(-Lambda) computed in log space."""
+
+    def __init__(self, width: int, gate_blocks: int, c: float = 8.0,
+                 a_init_range: tuple[float, float] = (0.9, 0.999)) -> None:
+        super().__init__()
+        self.c = c
+        self.a_init_range = a_init_range
+        self.input_gate = BlockDiagonalLinear(width, width, gate_blocks)
+        self.a_gate = BlockDiagonalLinear(width, width, gate_blocks)
+        self.a_param = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.input_gate.reset_parameters()
+        self.a_gate.reset_parameters()
+        init_a_param(self.a_param, *self.a_init_range)
+
+    def forward(self, x: Tensor, reset: Tensor | None = None, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x: (B, T, width); reset: (B, T) document starts; h0: (B, width). Returns (y, h_last)."""
+        return rg_lru(x, self.input_gate(x), self.a_gate(x), self.a_param, self.c, h0, reset)
+
+
+class CGLRU(nn.Module):
+    """The complex-gated LRU of Appendix B: x = [x1; x2] is read as x1 + i x2, a~ = sigmoid(-Lambda) e^(i theta),
+    a~_t = a~^(c r_t), h~_t = a~_t h~_{t-1} + sqrt(1 - |a~_t|^2) (i_t x~_t), y = [Re h~; Im h~]."""
+
+    def __init__(self, width: int, gate_blocks: int, c: float = 8.0,
+                 a_init_range: tuple[float, float] = (0.9, 0.999), max_phase: float = 2 * math.pi) -> None:
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"CGLRU width={width} must be even")
+        self.c = c
+        self.a_init_range = a_init_range
+        self.max_phase = max_phase
+        half = width // 2
+        self.input_gate = BlockDiagonalLinear(width, half, gate_blocks)
+        self.a_gate = BlockDiagonalLinear(width, half, gate_blocks)
+        self.a_param = nn.Parameter(torch.empty(half))
+        self.theta = nn.Parameter(torch.empty(half))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.input_gate.reset_parameters()
+        self.a_gate.reset_parameters()
+        init_a_param(self.a_param, *self.a_init_range)
+        with torch.no_grad():
+            self.theta.uniform_(0.0, self.max_phase)
+
+    def forward(self, x: Tensor, reset: Tensor | None = None, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x: (B, T, width) real; h0: (B, width/2) complex. Returns (y real (B, T, width), complex h_last)."""
+        r = torch.sigmoid(self.a_gate(x))
+        gate_x = torch.sigmoid(self.input_gate(x))
+        log_mod = -self.c * r * F.softplus(self.a_param)
+        angle = self.c * r * self.theta
+        a = torch.polar(torch.exp(log_mod.float()), angle.float())
+        multiplier = sqrt_bound_derivative(1.0 - torch.exp(2.0 * log_mod))
+        if reset is not None:
+            multiplier = torch.where(reset[..., None], torch.ones_like(multiplier), multiplier)
+        x_re, x_im = x.float().chunk(2, dim=-1)
+        scale = (gate_x * multiplier).float()
+        b = torch.complex(x_re * scale, x_im * scale)
+        h, h_last = linear_scan(a, b, h0, reset)
+        return torch.cat([h.real, h.imag], dim=-1).to(x.dtype), h_last

@@ -1,0 +1,137 @@
+"""The residual block and the causal language model (Section 2, Figure 2a)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from griffin.config import ModelConfig
+from griffin.layers import GatedMLP, MultiQueryAttention, RecurrentBlock, RMSNorm
+
+
+class ResidualBlock(nn.Module):
+    """x + temporal_block(RMSNorm(x)), then + MLP(RMSNorm(.)): pre-norm residual (Section 2.1)."""
+
+    def __init__(self, config: ModelConfig, block_type: str) -> None:
+        super().__init__()
+        self.block_type = block_type
+        final_init_scale = 2.0 / config.depth
+        self.temporal_pre_norm = RMSNorm(config.width, config.norm_eps)
+        if block_type == "recurrent":
+            self.temporal_block: nn.Module = RecurrentBlock(config, final_init_scale)
+        else:
+            self.temporal_block = MultiQueryAttention(config, block_type == "local_attention", final_init_scale)
+        self.channel_pre_norm = RMSNorm(config.width, config.norm_eps)
+        self.mlp_block = GatedMLP(config.width, config.mlp_width, config.gelu_approximation, final_init_scale)
+
+    def forward(self, x: Tensor, positions: Tensor, reset: Tensor | None, segments: Tensor | None) -> Tensor:
+        h = self.temporal_pre_norm(x)
+        if self.block_type == "recurrent":
+            h = self.temporal_block(h, reset)
+        else:
+            h = self.temporal_block(h, positions, segments)
+        residual = h + x
+        return self.mlp_block(self.channel_pre_norm(residual)) + residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, N residual blocks in the family's pattern, final RMSNorm, tied output layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.width)
+        self.blocks = nn.ModuleList(ResidualBlock(config, kind) for kind in config.block_types)
+        self.final_norm = RMSNorm(config.width, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.width, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_std or math.sqrt(1.0 / self.config.width)
+        if self.embed.weight.device.type != "meta":
+            nn.init.normal_(self.embed.weight, std=std)
+            if self.lm_head is not None:
+                nn.init.normal_(self.lm_head.weight, std=std)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # Input checks -------------------------------------------------------------------------------
+    def check_inputs(self, input_ids: Tensor, positions: Tensor | None) -> None:
+        if not isinstance(input_ids, Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, time), got {tuple(input_ids.shape)}")
+        if input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        if positions is not None:
+            if not isinstance(positions, Tensor) or positions.dtype.is_floating_point or positions.dtype.is_complex:
+                raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', positions)}")
+            if positions.shape != input_ids.shape:
+                raise ValueError(
+                    f"positions must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(positions.shape)}"
+                )
+            if positions.numel() and int(positions.min()) < 0:
+                raise ValueError(f"positions must be non-negative, got {int(positions.min())}")
+
+    # Forward --------------------------------------------------------------------------------------
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        x = self.embed(input_ids)
+        if self.config.embed_scale:
+            # sqrt(D) rounded to bfloat16, as in the released RecurrentGemma checkpoints.
+            x = x * torch.tensor(math.sqrt(self.config.width), dtype=torch.bfloat16).to(x.dtype)
+        return x
+
+    def logits(self, h: Tensor) -> Tensor:
+        h = self.final_norm(h)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = h @ weight.T
+        cap = self.config.logits_soft_cap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits (B, T, vocab). ``positions`` (B, T) is each token's position in its document; a 0 starts a
+        new document, which sees nothing of the previous one. Default: one document per row."""
+        self.check_inputs(input_ids, positions)
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            reset, segments = positions == 0, None
+        else:
+            positions = positions.to(input_ids.device)
+            reset = positions == 0
+            segments = torch.cumsum(reset, dim=1) if bool(reset[:, 1:].any()) else None
+        x = self.embed_tokens(input_ids)
+        for block in self.blocks:
+            x = block(x, positions, reset, segments)
+        return self.logits(x)
+
+    # Checkpoints ----------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        from griffin.checkpoint import save_pretrained
+
+        save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> CausalLM:
+        from griffin.checkpoint import load_pretrained
+
+        return load_pretrained(path, **kwargs)

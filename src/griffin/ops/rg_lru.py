@@ -1,0 +1,96 @@
+"""The RG-LRU recurrence as one operator (paper, Section 2.4 and Appendix A).
+
+Given x (after the Conv1D) and the pre-activations of the two gates,
+
+    r_t = sigmoid(gate_a_t)                       recurrence gate
+    i_t = sigmoid(gate_x_t)                       input gate
+    log a_t = -c * softplus(Lambda) * r_t         a_t = a^(c r_t) with a = sigmoid(-Lambda), in log space
+    h_t = a_t * h_{t-1} + sqrt(1 - a_t^2) * (i_t * x_t)
+
+At a document start (``reset``) the state is dropped and the input is not normalised: h_t = i_t * x_t.
+:func:`rg_lru_ref` is the readable reference; :func:`rg_lru` is the dispatched operator where fused
+kernels plug in (today: gate math in PyTorch followed by :func:`griffin.ops.scan.linear_scan`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from griffin.ops.scan import linear_scan
+
+MAX_SQRT_GRADIENT = 1000.0
+
+
+class SqrtBoundDerivative(torch.autograd.Function):
+    """sqrt(x) whose derivative is clipped at MAX_SQRT_GRADIENT (stable in bfloat16 as a_t -> 1)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return grad_output / torch.sqrt(torch.clip(4.0 * x, min=1.0 / MAX_SQRT_GRADIENT**2))
+
+
+def sqrt_bound_derivative(x: Tensor) -> Tensor:
+    return SqrtBoundDerivative.apply(x)
+
+
+def rg_lru_gates(
+    x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: float, reset: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The scan coefficients (a_t, b_t) of the RG-LRU, in x's dtype."""
+    log_a = -c * torch.sigmoid(gate_a) * F.softplus(a_param)
+    a = torch.exp(log_a)
+    multiplier = sqrt_bound_derivative(1.0 - torch.exp(2.0 * log_a))
+    if reset is not None:
+        multiplier = torch.where(reset[..., None], torch.ones_like(multiplier), multiplier)
+    b = x * torch.sigmoid(gate_x) * multiplier.to(x.dtype)
+    return a.to(x.dtype), b
+
+
+def check_rg_lru_inputs(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"rg_lru: x must have shape (batch, time, width), got {tuple(x.shape)}")
+    for name, t in (("gate_x", gate_x), ("gate_a", gate_a)):
+        if t.shape != x.shape:
+            raise ValueError(f"rg_lru: {name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+    if a_param.shape != x.shape[-1:]:
+        raise ValueError(f"rg_lru: a_param must have shape ({x.shape[-1]},), got {tuple(a_param.shape)}")
+
+
+def rg_lru_ref(
+    x: Tensor,
+    gate_x: Tensor,
+    gate_a: Tensor,
+    a_param: Tensor,
+    c: float = 8.0,
+    h0: Tensor | None = None,
+    reset: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reference RG-LRU: PyTorch gate math and the reference Python-loop scan. Returns (y, h_last)."""
+    check_rg_lru_inputs(x, gate_x, gate_a, a_param)
+    a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
+    return linear_scan(a, b, h0, reset, backend="ref")
+
+
+def rg_lru(
+    x: Tensor,
+    gate_x: Tensor,
+    gate_a: Tensor,
+    a_param: Tensor,
+    c: float = 8.0,
+    h0: Tensor | None = None,
+    reset: Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The RG-LRU operator (see the module docstring). Returns y (like x) and the fp32 final state."""
+    check_rg_lru_inputs(x, gate_x, gate_a, a_param)
+    a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
+    return linear_scan(a, b, h0, reset, backend=backend)
