@@ -38,7 +38,7 @@ def family_block_types(family: str, depth: int) -> tuple[str, ...]:
     if family == "griffin":
         pattern = ("recurrent", "recurrent", "local_attention")
         return tuple(pattern[i % 3] for i in range(depth))
-    raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    raise ValueError(f"invalid ModelConfig: family={family!r} is not one of {FAMILIES}")
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def _build_presets() -> dict[str, ModelConfig]:
             presets[f"{family}-{size}"] = _paper_preset(family, size)
         # Synthetic tasks (Section 6.2): 5 blocks, D = 64, Griffin's local-attention block third.
         presets[f"{family}-synthetic"] = ModelConfig(
-            family=family, vocab_size=256, width=64, depth=5, rnn_width=96, num_heads=2, head_dim=32,
+            family=family, vocab_size=256, width=64, depth=5, rnn_width=64, num_heads=2, head_dim=32,
             gate_blocks=8, attention_window=512,
         )
         # Tests: a few thousand parameters and a window small enough for tests to cross.

@@ -100,12 +100,13 @@ class CGLRU(nn.Module):
         gate_x = torch.sigmoid(self.input_gate(x))
         log_mod = -self.c * r * F.softplus(self.a_param)
         angle = self.c * r * self.theta
-        a = torch.polar(torch.exp(log_mod.float()), angle.float())
+        real = torch.promote_types(x.dtype, torch.float32)  # the recurrence runs in at least fp32
+        a = torch.polar(torch.exp(log_mod.to(real)), angle.to(real))
         multiplier = sqrt_bound_derivative(1.0 - torch.exp(2.0 * log_mod))
         if reset is not None:
             multiplier = torch.where(reset[..., None], torch.ones_like(multiplier), multiplier)
-        x_re, x_im = x.float().chunk(2, dim=-1)
-        scale = (gate_x * multiplier).float()
+        x_re, x_im = x.to(real).chunk(2, dim=-1)
+        scale = (gate_x * multiplier).to(real)
         b = torch.complex(x_re * scale, x_im * scale)
         h, h_last = linear_scan(a, b, h0, reset)
         return torch.cat([h.real, h.imag], dim=-1).to(x.dtype), h_last

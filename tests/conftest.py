@@ -1,0 +1,42 @@
+"""Shared test helpers: seeded generators and the reference implementations."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+
+def import_official_torch():
+    """``recurrentgemma.torch`` without running ``recurrentgemma/__init__`` (which imports JAX)."""
+    if "recurrentgemma.torch" in sys.modules:
+        return sys.modules["recurrentgemma.torch"]
+    spec = importlib.util.find_spec("recurrentgemma")
+    if spec is None:
+        pytest.skip("recurrentgemma is not installed")
+    if "recurrentgemma" not in sys.modules:
+        pkg = types.ModuleType("recurrentgemma")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["recurrentgemma"] = pkg
+    import recurrentgemma.torch as rg
+
+    return rg
+
+
+def perturb_(module: torch.nn.Module, generator: torch.Generator, scale: float = 0.1) -> None:
+    """Move norm scales and biases (zero at init) away from their initial values."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("scale", "bias", "b") or "norm" in name or leaf.endswith("_bias"):
+                p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A generator seeded differently for every test (and parametrisation)."""
+    seed = abs(hash(request.node.nodeid)) % (2**31)
+    return torch.Generator().manual_seed(seed)

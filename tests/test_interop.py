@@ -1,0 +1,180 @@
+"""Exactness against HF transformers' RecurrentGemma and the official recurrentgemma package."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from griffin import CausalLM, ModelConfig
+from griffin.checkpoint import CheckpointError, export_hf, to_official_state
+from tests.conftest import import_official_torch, perturb_
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 8
+T = 45  # longer than the window, crossing the local-attention chunking too
+
+
+def hf_model(gen, **kw):
+    cfg = transformers.RecurrentGemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=48, attention_window_size=WINDOW, conv1d_width=4, logits_soft_cap=30.0,
+        block_types=["recurrent", "recurrent", "attention"], **kw,
+    )
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = transformers.RecurrentGemmaForCausalLM(cfg).eval()
+    perturb_(model, gen)
+    return model
+
+
+def packed_positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+@torch.no_grad()
+def test_hf_logits_match(gen, tmp_path):
+    hf = hf_model(gen)
+    hf.save_pretrained(tmp_path)
+    ours = CausalLM.from_pretrained(tmp_path)
+    assert ours.config.attention_window == WINDOW and not ours.config.conv1d_document_reset
+    ids = torch.randint(0, 64, (2, T), generator=gen)
+    diff = (hf(ids, use_cache=False).logits - ours(ids)).abs().max()
+    assert diff <= 1e-4
+    # Packed documents, with HF's semantics (attention isolated, Conv1D not reset).
+    pos = packed_positions([17, T - 17]).expand(2, T)
+    diff = (hf(ids, position_ids=pos, use_cache=False).logits - ours(ids, pos)).abs().max()
+    assert diff <= 1e-4
+
+
+@torch.no_grad()
+def test_hf_export_round_trip(gen, tmp_path):
+    hf = hf_model(gen)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = CausalLM.from_pretrained(tmp_path / "hf")
+    export_hf(ours, tmp_path / "exported")
+    again = CausalLM.from_pretrained(tmp_path / "exported")
+    hf_again = transformers.RecurrentGemmaForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    ids = torch.randint(0, 64, (2, T), generator=gen)
+    reference = ours(ids)
+    assert torch.equal(again(ids), reference)
+    assert (hf_again(ids, use_cache=False).logits - reference).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_griffin_model_exports_to_hf(gen, tmp_path):
+    cfg = ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2,
+                                  conv1d_document_reset=False)
+    torch.manual_seed(0)
+    ours = CausalLM(cfg)
+    perturb_(ours, gen)
+    export_hf(ours, tmp_path)
+    hf = transformers.RecurrentGemmaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 32, (2, 30), generator=gen)
+    assert (hf(ids, use_cache=False).logits - ours(ids)).abs().max() <= 1e-4
+
+
+def test_export_refuses_what_hf_cannot_express(tmp_path):
+    with pytest.raises(CheckpointError, match="global attention"):
+        export_hf(CausalLM(ModelConfig.from_preset("mqa-tiny")), tmp_path)
+    model = CausalLM(ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_hf(model, tmp_path)
+    assert any("Conv1D" in str(w.message) for w in caught)
+
+
+def test_hf_missing_and_unexpected_tensors_are_named(gen, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_model(gen).save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.1.temporal_block.rg_lru.recurrent_param"]
+    state["model.layers.0.extra"] = torch.zeros(1)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        CausalLM.from_pretrained(tmp_path)
+    assert "missing: model.layers.1.temporal_block.rg_lru.recurrent_param" in str(err.value)
+    assert "unexpected: model.layers.0.extra" in str(err.value)
+
+
+def official_model(gen, rg, block_types):
+    from recurrentgemma import common
+
+    kinds = {"r": common.TemporalBlockType.RECURRENT, "a": common.TemporalBlockType.ATTENTION}
+    cfg = rg.GriffinConfig(
+        vocab_size=64, width=32, mlp_expanded_width=96, num_heads=4, lru_width=48,
+        block_types=tuple(kinds[k] for k in block_types), embeddings_scale_by_sqrt_dim=True,
+        attention_window_size=WINDOW, logits_soft_cap=30.0,
+    )
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = rg.Griffin(cfg).eval()
+    perturb_(model, gen)
+    return model
+
+
+@pytest.mark.parametrize("block_types", ["rrarr", "rrrr"])
+@torch.no_grad()
+def test_official_logits_match(gen, tmp_path, block_types):
+    rg = import_official_torch()
+    official = official_model(gen, rg, block_types)
+    torch.save(official.state_dict(), tmp_path / "griffin.pt")
+    ours = CausalLM.from_pretrained(tmp_path / "griffin.pt", attention_window_size=WINDOW)
+    assert ours.config.attention_window == WINDOW + 1  # the official mask admits window_size + 1 keys
+    ids = torch.randint(0, 64, (2, T), generator=gen)
+    for lengths in ([T], [17, 1, T - 18]):
+        pos = packed_positions(lengths).expand(2, T)
+        expected, _ = official(ids, pos, return_cache=False)
+        assert (expected - ours(ids, pos)).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_official_state_round_trip(gen, tmp_path):
+    rg = import_official_torch()
+    official = official_model(gen, rg, "rrarr")
+    torch.save(official.state_dict(), tmp_path / "griffin.pt")
+    ours = CausalLM.from_pretrained(tmp_path / "griffin.pt", attention_window_size=WINDOW)
+    state = to_official_state(ours)
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+    assert set(state) == set(official.state_dict())
+
+
+def test_official_file_is_loaded_without_unpickling_objects(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"embedder.input_embedding": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        CausalLM.from_pretrained(tmp_path / "evil.pt")
+
+
+def test_griffin_format_round_trip(gen, tmp_path):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_preset("griffin-tiny", complex_lru=True))
+    perturb_(model, gen)
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = CausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 32, (2, 20), generator=gen)
+    assert torch.equal(loaded(ids), model.eval()(ids))
+    assert loaded.config == model.config
+
+
+def test_griffin_format_shape_mismatch_is_named(tmp_path):
+    CausalLM(ModelConfig.from_preset("griffin-tiny")).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rnn_width"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as err:
+        CausalLM.from_pretrained(tmp_path)
+    assert "shape mismatch: blocks.0.temporal_block.linear_x.weight is (24, 16)" in str(err.value)
+
+
+def test_unrecognised_paths(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        CausalLM.from_pretrained(tmp_path / "nope")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="neither a griffin nor an HF"):
+        CausalLM.from_pretrained(tmp_path)

@@ -1,0 +1,251 @@
+"""Every layer against an independent formula written here (paper, Section 2 and Appendices A-B)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from griffin import ModelConfig
+from griffin.layers import CGLRU, RGLRU, BlockDiagonalLinear, CausalConv1D, GatedMLP, MultiQueryAttention, RMSNorm
+from griffin.layers.attention import MIN_LOCAL_CHUNK
+from griffin.layers.recurrent_block import RecurrentBlock
+from griffin.layers.rope import apply_rope, rope_angles
+
+
+def rand(gen, *shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=gen, dtype=dtype)
+
+
+def random_resets(gen, B, T, p=0.1):
+    reset = torch.rand(B, T, generator=gen) < p
+    reset[:, 0] = True
+    return reset
+
+
+def test_rmsnorm(gen):
+    norm = RMSNorm(7, eps=1e-6).double()
+    with torch.no_grad():
+        norm.scale.copy_(rand(gen, 7))
+    x = rand(gen, 3, 5, 7)
+    expected = x / torch.sqrt((x**2).sum(-1, keepdim=True) / 7 + 1e-6) * (1 + norm.scale)
+    torch.testing.assert_close(norm(x), expected)
+
+
+@pytest.mark.parametrize("approx", ["tanh", "none"])
+def test_gated_mlp(gen, approx):
+    mlp = GatedMLP(6, 18, approx).double()
+    x = rand(gen, 2, 4, 6)
+
+    def gelu(u):
+        if approx == "none":
+            return 0.5 * u * (1 + torch.erf(u / math.sqrt(2)))
+        return 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+
+    gate = gelu(x @ mlp.gate_proj.weight.T + mlp.gate_proj.bias)
+    up = x @ mlp.up_proj.weight.T + mlp.up_proj.bias
+    expected = (gate * up) @ mlp.down_proj.weight.T + mlp.down_proj.bias
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_rope_is_a_rotation_by_position(gen):
+    B, T, H, d, rot = 2, 9, 3, 8, 4
+    x = rand(gen, B, T, H, d)
+    pos = torch.randint(0, 100, (B, T), generator=gen)
+    cos, sin = rope_angles(pos, rot, 10_000.0)
+    y = apply_rope(x, cos.double(), sin.double())
+    # Independent formula: pair (j, j + rot/2) is a complex number turned by pos * base^(-2j/rot).
+    half = rot // 2
+    z = torch.complex(x[..., :half], x[..., half:rot])
+    theta = pos[..., None, None].double() * 10_000.0 ** (-2 * torch.arange(half).double() / rot)
+    z = z * torch.polar(torch.ones_like(theta), theta)
+    expected = torch.cat([z.real, z.imag, x[..., rot:]], dim=-1)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    # Relative: q.k depends on the position difference only.
+    q, k = rand(gen, 1, 1, 1, d), rand(gen, 1, 1, 1, d)
+
+    def dot(pq, pk):
+        cq, sq = rope_angles(torch.tensor([[pq]]), rot, 10_000.0)
+        ck, sk = rope_angles(torch.tensor([[pk]]), rot, 10_000.0)
+        return (apply_rope(q, cq.double(), sq.double()) * apply_rope(k, ck.double(), sk.double())).sum()
+
+    torch.testing.assert_close(dot(10, 3), dot(107, 100), atol=1e-5, rtol=1e-5)
+
+
+def naive_attention(att: MultiQueryAttention, x, positions, segments, window):
+    """Softmax attention written out query by query, with an explicit list of visible keys."""
+    B, T, _ = x.shape
+    q, k, v = att.project(x, positions)
+    groups = att.num_heads // att.num_kv_heads
+    out = torch.zeros(B, T, att.num_heads, att.head_dim, dtype=x.dtype)
+    for b in range(B):
+        for t in range(T):
+            keys = [s for s in range(T) if s <= t and (window is None or t - s < window)
+                    and (segments is None or segments[b, s] == segments[b, t])]
+            for h in range(att.num_heads):
+                kv = h // groups
+                scores = torch.stack([q[b, t, h] @ k[b, s, kv] for s in keys]) / math.sqrt(att.head_dim)
+                p = torch.softmax(scores, 0)
+                out[b, t, h] = sum(p[i] * v[b, s, kv] for i, s in enumerate(keys))
+    return att.proj_final(out.reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_against_naive(gen, local, kv_heads, packed):
+    cfg = ModelConfig(width=16, num_heads=4, num_kv_heads=kv_heads, head_dim=6, rope_fraction=2 / 3,
+                      attention_window=5, depth=1, family="mqa")
+    att = MultiQueryAttention(cfg, local=local).double()
+    B, T = 2, 13
+    x = rand(gen, B, T, 16)
+    if packed:
+        reset = random_resets(gen, B, T, 0.2)
+        segments = torch.cumsum(reset, 1)
+        positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
+    else:
+        segments, positions = None, torch.arange(T).expand(B, T)
+    torch.testing.assert_close(att(x, positions, segments),
+                               naive_attention(att, x, positions, segments, 5 if local else None))
+
+
+def _doc_positions(reset_row):
+    out, p = [], 0
+    for r in reset_row.tolist():
+        p = 0 if r else p + 1
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("window", [3, 64, 200])
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_local_attention_matches_full_mask(gen, window, packed):
+    """Sequences longer than a chunk go through the chunked path; compare with one explicit T x T mask."""
+    cfg = ModelConfig(width=16, num_heads=2, head_dim=8, attention_window=window, depth=1, family="griffin")
+    att = MultiQueryAttention(cfg, local=True).double()
+    B, T = 2, 3 * MIN_LOCAL_CHUNK + 37
+    x = rand(gen, B, T, 16)
+    reset = random_resets(gen, B, T, 0.01) if packed else torch.zeros(B, T, dtype=torch.bool)
+    segments = torch.cumsum(reset, 1) if packed else None
+    positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset]) if packed else torch.arange(T).expand(B, T)
+    q, k, v = (t.transpose(1, 2) for t in att.project(x, positions))
+    i = torch.arange(T)
+    mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)
+    if packed:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
+        mask = mask[:, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8**-0.5)
+    ref = att.proj_final(ref.transpose(1, 2).reshape(B, T, -1))
+    torch.testing.assert_close(att(x, positions, segments), ref)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_conv1d(gen, packed):
+    conv = CausalConv1D(5, 4).double()
+    with torch.no_grad():
+        conv.b.copy_(rand(gen, 5))
+    B, T = 3, 17
+    x = rand(gen, B, T, 5)
+    reset = random_resets(gen, B, T, 0.25) if packed else None
+    expected = torch.zeros(B, T, 5, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            acc = conv.b.clone()
+            for s in range(4):
+                if t - s < 0:
+                    break
+                if packed and bool(reset[b, t - s + 1 : t + 1].any()):
+                    break  # a document started after t - s
+                acc = acc + conv.w[3 - s] * x[b, t - s]
+            expected[b, t] = acc
+    torch.testing.assert_close(conv(x, reset), expected)
+    if not packed:
+        ref = F.conv1d(x.transpose(1, 2), conv.w.T[:, None, :], conv.b, padding=3, groups=5)[..., :T].transpose(1, 2)
+        torch.testing.assert_close(conv(x), ref)
+
+
+def test_conv1d_with_state_continues_the_sequence(gen):
+    conv = CausalConv1D(4, 4).double()
+    x = rand(gen, 2, 11, 4)
+    full = conv(x)
+    torch.testing.assert_close(conv(x[:, 8:], state=x[:, 5:8]), full[:, 8:])
+    torch.testing.assert_close(conv(x[:, 10:], state=x[:, 7:10]), full[:, 10:])
+
+
+def test_block_diagonal_linear(gen):
+    lin = BlockDiagonalLinear(12, 6, 3).double()
+    x = rand(gen, 2, 5, 12)
+    dense = torch.block_diag(*lin.w)  # (12, 6)
+    torch.testing.assert_close(lin(x), x @ dense + lin.b.reshape(-1))
+
+
+def test_a_init_range(gen):
+    torch.manual_seed(0)
+    lru = RGLRU(4096, 16)
+    a = torch.exp(-F.softplus(lru.a_param.double()))
+    assert 0.9 - 1e-6 <= a.min() and a.max() <= 0.999 + 1e-6
+    a2 = a**2  # uniform on [0.81, 0.998]
+    assert abs(a2.mean().item() - (0.81 + 0.998001) / 2) < 0.01
+
+
+def rg_lru_formula(lru: RGLRU, x, reset, h0=None):
+    """Section 2.4 literally: a = sigmoid(-Lambda), a_t = a^(c r_t), power form (not log space)."""
+    B, T, D = x.shape
+    r = torch.sigmoid(lru.a_gate(x))
+    i = torch.sigmoid(lru.input_gate(x))
+    a = torch.sigmoid(-lru.a_param)
+    h = torch.zeros(B, D, dtype=x.dtype) if h0 is None else h0
+    ys = []
+    for t in range(T):
+        a_t = a ** (lru.c * r[:, t])
+        start = reset[:, t, None] if reset is not None else torch.zeros(B, 1, dtype=torch.bool)
+        h = torch.where(start, i[:, t] * x[:, t], a_t * h + torch.sqrt(1 - a_t**2) * (i[:, t] * x[:, t]))
+        ys.append(h)
+    return torch.stack(ys, 1), h
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rg_lru(gen, packed):
+    lru = RGLRU(12, 3).double()
+    with torch.no_grad():
+        lru.a_gate.b.copy_(rand(gen, 3, 4))
+    B, T = 2, 19
+    x = rand(gen, B, T, 12)
+    reset = random_resets(gen, B, T, 0.2) if packed else None
+    h0 = rand(gen, B, 12)
+    y, h = lru(x, reset, h0)
+    ey, eh = rg_lru_formula(lru, x, reset if packed else None, h0)
+    if not packed:  # h0 only matters without a reset at t = 0
+        torch.testing.assert_close(y, ey)
+        torch.testing.assert_close(h, eh)
+    else:
+        ey, eh = rg_lru_formula(lru, x, reset)
+        torch.testing.assert_close(y, ey)
+
+
+def test_cg_lru(gen):
+    lru = CGLRU(8, 2).double()
+    B, T = 2, 11
+    x = rand(gen, B, T, 8)
+    y, _ = lru(x)
+    r = torch.sigmoid(lru.a_gate(x))
+    i = torch.sigmoid(lru.input_gate(x))
+    modulus = torch.sigmoid(-lru.a_param)  # a~ = sigma(-Lambda) e^(i theta)
+    xc = torch.complex(x[..., :4], x[..., 4:])
+    h = torch.zeros(B, 4, dtype=torch.complex128)
+    ys = []
+    for t in range(T):
+        a_t = modulus ** (lru.c * r[:, t]) * torch.exp(1j * lru.theta * lru.c * r[:, t])  # a~^(c r_t)
+        h = a_t * h + torch.sqrt(1 - a_t.abs() ** 2) * (i[:, t] * xc[:, t])
+        ys.append(torch.cat([h.real, h.imag], -1))
+    torch.testing.assert_close(y, torch.stack(ys, 1))
+
+
+def test_recurrent_block_composition(gen):
+    cfg = ModelConfig(family="hawk", width=8, rnn_width=12, gate_blocks=3, depth=1)
+    block = RecurrentBlock(cfg).double()
+    x = rand(gen, 2, 7, 8)
+    y_branch = F.gelu(block.linear_y(x), approximate="tanh")
+    u = block.conv_1d(block.linear_x(x))
+    u, _ = rg_lru_formula(block.rg_lru, u, None)
+    torch.testing.assert_close(block(x), block.linear_out(u * y_branch))
