@@ -127,7 +127,7 @@ def test_chunked_local_attention_matches_full_mask(gen, window, packed):
     x = rand(gen, B, T, 16)
     reset = random_resets(gen, B, T, 0.01) if packed else torch.zeros(B, T, dtype=torch.bool)
     segments = torch.cumsum(reset, 1) if packed else None
-    positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset]) if packed else torch.arange(T).expand(B, T)
+    positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
     q, k, v = (t.transpose(1, 2) for t in att.project(x, positions))
     i = torch.arange(T)
     mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)

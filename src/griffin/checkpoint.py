@@ -337,7 +337,8 @@ def to_official_state(model: CausalLM) -> dict[str, Tensor]:
             block = "recurrent_block" if kind == "recurrent" else "attention_block"
             if ".mlp_block.gate_proj." in name or ".mlp_block.up_proj." in name:
                 continue
-            name = name.replace(".temporal_block.", f".{block}.").replace(".mlp_block.down_proj.", ".mlp_block.ffw_down.")
+            name = name.replace(".temporal_block.", f".{block}.")
+            name = name.replace(".mlp_block.down_proj.", ".mlp_block.ffw_down.")
         out[name] = t
     for i in range(model.config.depth):
         mlp = model.blocks[i].mlp_block

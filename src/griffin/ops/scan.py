@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 BACKENDS = ("ref", "cpu")
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _ENV_VAR = "GRIFFIN_SCAN_BACKEND"
 
 
@@ -72,12 +73,18 @@ def linear_scan_ref(
 
 
 def default_backend(a: Tensor) -> str:
-    """The backend used when none is asked for: $GRIFFIN_SCAN_BACKEND, else the fastest available."""
+    """The backend used when none is asked for: $GRIFFIN_SCAN_BACKEND, else the fastest available.
+
+    That is "cpu" (numba kernels, :mod:`griffin.ops.scan_cpu`) for real floating CPU tensors, with or without
+    requires_grad, and "ref" for everything else (complex dtypes, other devices).
+    """
     forced = os.environ.get(_ENV_VAR)
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"{_ENV_VAR}={forced!r} is not one of {BACKENDS}")
         return forced
+    if a.device.type == "cpu" and a.dtype in _CPU_DTYPES:
+        return "cpu"
     return "ref"
 
 
@@ -93,4 +100,8 @@ def linear_scan(
     backend = backend or default_backend(a)
     if backend == "ref":
         return linear_scan_ref(a, b, h0, reset)
+    if backend == "cpu":
+        from griffin.ops.scan_cpu import linear_scan_cpu  # numba is imported on first use only
+
+        return linear_scan_cpu(a, b, h0, reset)
     raise ValueError(f"linear_scan: unknown backend {backend!r}; choose one of {BACKENDS}")
