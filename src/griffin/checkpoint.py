@@ -38,7 +38,7 @@ class CheckpointError(ValueError):
 
 
 # Atomic writes ----------------------------------------------------------------------------------------
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Write through a temporary file in the same directory, then rename over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -53,12 +53,12 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
 
 
 def _write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 # Loading with full reporting ------------------------------------------------------------------------
@@ -345,6 +345,12 @@ def to_official_state(model: CausalLM) -> dict[str, Tensor]:
         out[f"blocks.{i}.mlp_block.ffw_up.w"] = torch.stack([mlp.gate_proj.weight.T, mlp.up_proj.weight.T])
         out[f"blocks.{i}.mlp_block.ffw_up.b"] = torch.stack([mlp.gate_proj.bias, mlp.up_proj.bias])[:, None, None]
     return {k: v.detach().clone() for k, v in out.items()}
+
+
+def save_official(model: CausalLM, path: str | Path) -> None:
+    """Write the official ``recurrentgemma.torch.Griffin`` state dict of ``model`` (atomically)."""
+    state = to_official_state(model)
+    atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
 
 
 def _load_official(path: Path, dtype: torch.dtype | None, **overrides: Any) -> CausalLM:

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from griffin import CausalLM, ModelConfig
+from griffin.cli import main
+from tests.conftest import perturb_
+
+
+def test_presets_table(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "griffin-14b" in out and "recurrentgemma-2b" in out and "2,682,862,080" in out
+
+
+def test_convert_between_all_formats(tmp_path, gen, capsys):
+    cfg = ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2,
+                                  conv1d_document_reset=False)
+    model = CausalLM(cfg)
+    perturb_(model, gen)
+    model.save_pretrained(tmp_path / "g")
+    ids = torch.randint(0, 32, (1, 25), generator=gen)
+    expected = model.eval()(ids)
+    assert main(["convert", str(tmp_path / "g"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.pt"), "--to", "official"]) == 0
+    assert main(["convert", str(tmp_path / "o.pt"), str(tmp_path / "back"), "--window", "5"]) == 0
+    back = CausalLM.from_pretrained(tmp_path / "back")
+    assert back.config.attention_window == 6  # official window 5 = 6 keys seen
+    torch.testing.assert_close(CausalLM.from_pretrained(tmp_path / "hf")(ids), expected)
+    assert main(["info", str(tmp_path / "hf")]) == 0
+    assert "format: hf" in capsys.readouterr().out
+
+
+def test_convert_reports_errors(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert"])
