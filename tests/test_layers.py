@@ -249,3 +249,25 @@ def test_recurrent_block_composition(gen):
     u = block.conv_1d(block.linear_x(x))
     u, _ = rg_lru_formula(block.rg_lru, u, None)
     torch.testing.assert_close(block(x), block.linear_out(u * y_branch))
+
+
+def test_gradcheck_layers(gen, monkeypatch):
+    """float64 gradcheck of the document-aware Conv1D, the RG-LRU operator and chunked local attention."""
+    from griffin.ops.rg_lru import rg_lru
+
+    B, T, D = 2, 9, 3
+    reset = random_resets(gen, B, T, 0.3)
+    conv = CausalConv1D(D, 4).double()
+    x = rand(gen, B, T, D).requires_grad_()
+    assert torch.autograd.gradcheck(lambda u: conv(u, reset), (x,))
+    gx, ga = rand(gen, B, T, D).requires_grad_(), rand(gen, B, T, D).requires_grad_()
+    lam, h0 = rand(gen, D).requires_grad_(), rand(gen, B, D).requires_grad_()
+    reset[1, 0] = False  # row 1 continues from h0
+    assert torch.autograd.gradcheck(lambda *a: rg_lru(*a[:4], 8.0, a[4], reset), (x, gx, ga, lam, h0))
+
+    cfg = ModelConfig(width=4, num_heads=2, head_dim=4, attention_window=3, depth=1, gate_blocks=2)
+    att = MultiQueryAttention(cfg, local=True).double()
+    monkeypatch.setattr("griffin.layers.attention.MIN_LOCAL_CHUNK", 4)  # several chunks at a small T
+    xa = rand(gen, 1, 11, 4).requires_grad_()
+    pos = torch.arange(xa.shape[1])[None]
+    assert torch.autograd.gradcheck(lambda u: att(u, pos, None), (xa,))
