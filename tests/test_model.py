@@ -81,7 +81,7 @@ def test_bad_input_names_the_value():
         model(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="positions must have the shape of input_ids \\(1, 3\\), got \\(1, 4\\)"):
         model(torch.tensor([[1, 2, 3]]), torch.arange(4)[None])
-    with pytest.raises(ValueError, match="non-negative, got -2"):
+    with pytest.raises(ValueError, match=">= 0 \\(or -1 for padding\\), got -2"):
         model(torch.tensor([[1, 2, 3]]), torch.tensor([[0, -2, 1]]))
     with pytest.raises(TypeError, match="positions must be an integer tensor"):
         model(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3))

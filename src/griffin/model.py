@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from griffin.cache import EMPTY, Cache, init_cache
 from griffin.config import ModelConfig
 from griffin.layers import GatedMLP, MultiQueryAttention, RecurrentBlock, RMSNorm
 
@@ -27,12 +28,13 @@ class ResidualBlock(nn.Module):
         self.channel_pre_norm = RMSNorm(config.width, config.norm_eps)
         self.mlp_block = GatedMLP(config.width, config.mlp_width, config.gelu_approximation, final_init_scale)
 
-    def forward(self, x: Tensor, positions: Tensor, reset: Tensor | None, segments: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, reset: Tensor | None, pad: Tensor | None,
+                segments: Tensor | None, cache=None, step: int = 0) -> Tensor:
         h = self.temporal_pre_norm(x)
         if self.block_type == "recurrent":
-            h = self.temporal_block(h, reset)
+            h = self.temporal_block(h, reset, pad, cache)
         else:
-            h = self.temporal_block(h, positions, segments)
+            h = self.temporal_block(h, positions, segments, cache, step)
         residual = h + x
         return self.mlp_block(self.channel_pre_norm(residual)) + residual
 
@@ -87,8 +89,8 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"positions must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(positions.shape)}"
                 )
-            if positions.numel() and int(positions.min()) < 0:
-                raise ValueError(f"positions must be non-negative, got {int(positions.min())}")
+            if positions.numel() and int(positions.min()) < -1:
+                raise ValueError(f"positions must be >= 0 (or -1 for padding), got {int(positions.min())}")
 
     # Forward --------------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
@@ -107,22 +109,69 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Logits (B, T, vocab). ``positions`` (B, T) is each token's position in its document; a 0 starts a
-        new document, which sees nothing of the previous one. Default: one document per row."""
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: Cache | None = None) -> Tensor:
+        """Logits (B, T, vocab).
+
+        ``positions`` (B, T) is each token's position in its document: a 0 starts a new document, which sees
+        nothing of the previous one, and -1 marks a padding token that nothing sees. Default: the sequence
+        continues (from the cache, if any) as one document per row. With ``cache`` (see :meth:`init_cache`), the
+        tokens continue the cached sequence and the cache is updated in place.
+        """
         self.check_inputs(input_ids, positions)
         B, T = input_ids.shape
+        if cache is not None:
+            self.check_cache(cache, B)
         if positions is None:
-            positions = torch.arange(T, device=input_ids.device).expand(B, T)
-            reset, segments = positions == 0, None
-        else:
-            positions = positions.to(input_ids.device)
-            reset = positions == 0
-            segments = torch.cumsum(reset, dim=1) if bool(reset[:, 1:].any()) else None
+            start = cache.position[:, None] if cache is not None else 0
+            positions = torch.arange(T, device=input_ids.device) + start
+            positions = positions.expand(B, T)
+        positions = positions.to(input_ids.device)
+        reset, pad = positions <= 0, positions < 0
+        has_pad = cache is not None or bool(pad.any())
+        pad = pad if has_pad else None
+        first = 0 if cache is None else cache.segment[:, None]
+        segments = torch.cumsum(reset, dim=1) + first
+        if cache is None and pad is None and not bool(reset[:, 1:].any()):
+            segments = None  # one document per row: plain causal masks
+        elif not self.config.attention_document_mask:
+            segments = torch.zeros_like(segments)
+        if segments is not None and pad is not None:
+            segments = segments.masked_fill(pad, EMPTY)
         x = self.embed_tokens(input_ids)
-        for block in self.blocks:
-            x = block(x, positions, reset, segments)
+        step = 0 if cache is None else cache.step
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions.clamp(min=0), reset, pad, segments, None if cache is None else cache.blocks[i],
+                      step)
+        if cache is not None:
+            cache.step += T
+            cache.segment = cache.segment + reset.sum(1)
+            cache.position = positions[:, -1].clamp(min=-1) + 1
         return self.logits(x)
+
+    def init_cache(self, batch_size: int, max_length: int | None = None) -> Cache:
+        """An empty inference cache; ``max_length`` sizes the KV cache of global attention (MQA models)."""
+        return init_cache(self.config, batch_size, max_length, self.dtype, self.device)
+
+    def generate(self, input_ids, max_new_tokens: int = 64, **kwargs) -> list[list[int]]:
+        """Sample continuations of prompts; see :func:`griffin.generate.generate_stream` for the options
+        (temperature, top_k, top_p, seed, stop_tokens, cache, max_length, chunk_size)."""
+        from griffin.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def generate_stream(self, input_ids, max_new_tokens: int = 64, **kwargs):
+        """Like :meth:`generate`, yielding each step's tokens as they are produced."""
+        from griffin.generate import generate_stream
+
+        return generate_stream(self, input_ids, max_new_tokens, **kwargs)
+
+    def check_cache(self, cache: Cache, batch_size: int) -> None:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a griffin.cache.Cache, got {type(cache).__name__}")
+        if cache.config.replace(name="") != self.config.replace(name=""):
+            raise ValueError("the cache was made for a different model config")
+        if cache.batch_size != batch_size:
+            raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {batch_size}")
 
     # Checkpoints ----------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:

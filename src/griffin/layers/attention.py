@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from griffin.cache import AttentionCache
 from griffin.config import ModelConfig
 from griffin.layers.rope import apply_rope, rope_angles
 
@@ -68,14 +69,16 @@ class MultiQueryAttention(nn.Module):
         cos, sin = rope_angles(positions, self.config.rope_dim, self.config.rope_base)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: Tensor, positions: Tensor, segments: Tensor | None = None) -> Tensor:
-        """x: (B, T, D); positions: (B, T) position in document; segments: (B, T) document ids, or None if
-        the sequence is one document (or documents may see each other)."""
+    def forward(self, x: Tensor, positions: Tensor, segments: Tensor | None = None,
+                cache: AttentionCache | None = None, step: int = 0) -> Tensor:
+        """x: (B, T, D); positions: (B, T) position in document; segments: (B, T) ids of the documents a query
+        may see (EMPTY at padding), or None if every row is one document. With ``cache`` (the keys and values of
+        the ``step`` tokens before x), x is attended together with the cache, which is then updated in place."""
         B, T, _ = x.shape
+        if cache is not None:
+            return self._forward_cached(x, positions, segments, cache, step)
         q, k, v = self.project(x, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        if not self.config.attention_document_mask:
-            segments = None
         window = self.window
         if window is not None and window >= T:
             window = None
@@ -84,6 +87,41 @@ class MultiQueryAttention(nn.Module):
         else:
             out = self._attend_local(q, k, v, segments, window)
         return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _forward_cached(self, x: Tensor, positions: Tensor, segments: Tensor | None, cache: AttentionCache,
+                        step: int) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, positions)
+        slots = cache.k.shape[1]
+        q_index = torch.arange(step, step + T, device=x.device)
+        if segments is None:
+            segments = torch.zeros(B, T, dtype=torch.long, device=x.device)
+        if not cache.local:
+            if step + T > slots:
+                raise ValueError(f"the global-attention KV cache holds {slots} tokens; "
+                                 f"cannot process tokens {step}..{step + T - 1}: size it with a larger max_length")
+            self._write(cache, q_index, k, v, segments)  # then attend over the whole (static-size) buffer
+            keys, values, k_index, k_seg = cache.k, cache.v, cache.index, cache.segment
+        elif T == 1:
+            self._write(cache, q_index % slots, k, v, segments, index=q_index)
+            keys, values, k_index, k_seg = cache.k, cache.v, cache.index, cache.segment
+        else:
+            keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+            k_index, k_seg = torch.cat([cache.index, q_index]), torch.cat([cache.segment, segments], 1)
+        mask = attention_mask(q_index, k_index, self.window, segments, k_seg) & (k_index >= 0)
+        out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
+        if cache.local and T > 1:
+            last = q_index[-slots:]
+            self._write(cache, last % slots, k[:, -slots:], v[:, -slots:], segments[:, -slots:], index=last)
+        return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    @staticmethod
+    def _write(cache: AttentionCache, slots: Tensor, k: Tensor, v: Tensor, segments: Tensor,
+               index: Tensor | None = None) -> None:
+        cache.k[:, slots] = k.to(cache.k.dtype)
+        cache.v[:, slots] = v.to(cache.v.dtype)
+        cache.index[slots] = slots if index is None else index
+        cache.segment[:, slots] = segments
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
         return F.scaled_dot_product_attention(

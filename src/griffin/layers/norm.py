@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * (1 + scale); computed in float32, scale initialised at zero."""
+    """y = x / sqrt(mean(x^2) + eps) * (1 + scale); computed in at least float32, scale initialised at zero."""
 
     def __init__(self, width: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -18,6 +18,7 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.scale.float())).type_as(x)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.scale.to(dtype))).type_as(x)

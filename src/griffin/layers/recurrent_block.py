@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from griffin.cache import RecurrentCache
 from griffin.config import ModelConfig
 from griffin.layers.conv1d import CausalConv1D
 from griffin.layers.rg_lru import CGLRU, RGLRU
@@ -38,10 +40,29 @@ class RecurrentBlock(nn.Module):
         self.conv_1d.reset_parameters()
         self.rg_lru.reset_parameters()
 
-    def forward(self, x: Tensor, reset: Tensor | None = None) -> Tensor:
-        """x: (B, T, D); reset: (B, T) bool, True where a document starts."""
+    def forward(self, x: Tensor, reset: Tensor | None = None, pad: Tensor | None = None,
+                cache: RecurrentCache | None = None) -> Tensor:
+        """x: (B, T, D); reset: (B, T) bool, True where a document starts; pad: (B, T) bool, True at padding
+        tokens, whose Conv1D inputs are zeroed; cache: the state before x, updated in place."""
         y = F.gelu(self.linear_y(x), approximate=self.config.gelu_approximation)
         u = self.linear_x(x)
-        u = self.conv_1d(u, reset if self.config.conv1d_document_reset else None)
-        u, _ = self.rg_lru(u, reset)
-        return self.linear_out(u * y)
+        if pad is not None:
+            u = u.masked_fill(pad[..., None], 0.0)
+        conv_reset = reset if self.config.conv1d_document_reset else None
+        conv = self.conv_1d(u, conv_reset, None if cache is None else cache.conv)
+        h, h_last = self.rg_lru(conv, reset, None if cache is None else cache.h)
+        if cache is not None:
+            cache.conv = next_conv_state(cache.conv, u, conv_reset)
+            cache.h = h_last
+        return self.linear_out(h * y)
+
+
+def next_conv_state(state: Tensor, u: Tensor, reset: Tensor | None) -> Tensor:
+    """The last K-1 Conv1D inputs after ``u``; inputs before a later document start are zeroed, so the next
+    chunk's convolution sees nothing of the previous document."""
+    seq = torch.cat([state, u.to(state.dtype)], dim=1)
+    if reset is not None:
+        r = torch.cat([reset.new_zeros(reset.shape[0], state.shape[1]), reset], dim=1).int()
+        later = torch.flip(torch.cumsum(torch.flip(r, [1]), 1), [1]) - r  # starts strictly after each step
+        seq = seq * (later == 0)[..., None].to(seq.dtype)
+    return seq[:, -state.shape[1] :].contiguous() if state.shape[1] else seq[:, :0]

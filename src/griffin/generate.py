@@ -1,0 +1,186 @@
+"""Prefill and decode with bounded caches, and sampling (Section 5).
+
+A batch of prompts is left-padded (padding tokens carry position -1 and are seen by nothing), processed in
+parallel in chunks so that a long prompt runs in bounded memory, then tokens are sampled one step at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from griffin.cache import Cache
+
+if TYPE_CHECKING:
+    from griffin.model import CausalLM
+
+Prompts = Tensor | Sequence[Sequence[int]] | Sequence[int]
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Raise a ValueError naming the first sampling argument that is out of range."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
+    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 is greedy)")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 disables it)")
+    if not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
+
+
+def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> Tensor:
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else softmax(logits / T) restricted to the
+    top_k most likely tokens and to the smallest set whose probability reaches top_p."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        drop = probs.cumsum(-1) - probs >= top_p  # tokens after the nucleus is complete
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    probs = torch.softmax(logits, -1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _as_rows(prompts: Prompts) -> list[list[int]]:
+    if isinstance(prompts, Tensor):
+        if prompts.dim() == 1:
+            prompts = prompts[None]
+        if prompts.dim() != 2:
+            raise ValueError(f"prompts must be a (batch, time) tensor, got shape {tuple(prompts.shape)}")
+        if prompts.dtype.is_floating_point or prompts.dtype.is_complex or prompts.dtype == torch.bool:
+            raise TypeError(f"prompt token ids must be integers, got {prompts.dtype}")
+        return [list(map(int, row)) for row in prompts.tolist()]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]
+    rows = []
+    for i, row in enumerate(prompts):
+        try:
+            rows.append([int(t) for t in row])
+        except TypeError as err:
+            raise TypeError(f"prompt {i} is not a sequence of token ids: {row!r}") from err
+    return rows
+
+
+def _check_prompts(model: CausalLM, rows: list[list[int]], cache: Cache | None) -> None:
+    if not rows:
+        raise ValueError("no prompts given (an empty prompt list)")
+    vocab = model.config.vocab_size
+    for i, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {i} is empty: give at least one token (e.g. a BOS token)")
+        bad = [t for t in row if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+    if cache is not None:
+        model.check_cache(cache, len(rows))
+        if len({len(r) for r in rows}) > 1:
+            raise ValueError("continuing from a cache needs prompts of equal length, got lengths "
+                             f"{sorted({len(r) for r in rows})}")
+
+
+@torch.no_grad()
+def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_length: int | None = None,
+            chunk_size: int = 1024) -> tuple[Tensor, Cache]:
+    """Process prompts in chunks of ``chunk_size`` tokens. Returns the logits of each prompt's last token (B, V)
+    and the cache after the prompts (a new one sized for ``max_length`` tokens unless ``cache`` is given)."""
+    rows = _as_rows(prompts)
+    _check_prompts(model, rows, cache)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    device = model.device
+    length = max(len(r) for r in rows)
+    if cache is None:
+        needed = max_length if max_length is not None else length
+        if "attention" in model.config.block_types and needed < length:
+            raise ValueError(f"a prompt of {length} tokens is longer than max_length={max_length}, the size of "
+                             f"the global-attention KV cache")
+        cache = model.init_cache(len(rows), needed)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        positions = torch.full((len(rows), length), -1, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, length - len(row) :] = torch.tensor(row)
+            positions[i, length - len(row) :] = torch.arange(len(row))
+    else:
+        if cache.max_length is not None and cache.step + length > cache.max_length:
+            raise ValueError(f"the prompt ({length} tokens) does not fit the global-attention KV cache: "
+                             f"{cache.step} of {cache.max_length} tokens used")
+        ids = torch.tensor(rows, dtype=torch.long)
+        positions = cache.position.cpu()[:, None] + torch.arange(length)
+    ids, positions = ids.to(device), positions.to(device)
+    logits = None
+    for start in range(0, length, chunk_size):
+        sl = slice(start, start + chunk_size)
+        logits = model(ids[:, sl], positions[:, sl], cache=cache)[:, -1]
+    return logits, cache
+
+
+@torch.no_grad()
+def generate_stream(
+    model: CausalLM,
+    prompts: Prompts,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] = (),
+    cache: Cache | None = None,
+    max_length: int | None = None,
+    chunk_size: int = 1024,
+) -> Iterator[list[int | None]]:
+    """Yield, at each step, the token sampled for every row (None for rows that have stopped).
+
+    A row stops after producing one of ``stop_tokens`` (which is yielded). ``cache`` continues from a saved
+    state (see :class:`griffin.cache.Cache`); it is updated in place. ``max_length`` sizes the KV cache of
+    global attention (default: the longest prompt plus ``max_new_tokens``).
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    rows = _as_rows(prompts)
+    _check_prompts(model, rows, cache)
+    if cache is None and max_length is None:
+        max_length = max(len(r) for r in rows) + max_new_tokens
+    if cache is not None and cache.max_length is not None and \
+            cache.step + len(rows[0]) + max_new_tokens > cache.max_length:
+        raise ValueError(f"the global-attention KV cache holds {cache.max_length} tokens: {cache.step} used, "
+                         f"{len(rows[0])} in the prompt and {max_new_tokens} to generate do not fit")
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+    if max_new_tokens == 0:
+        return
+    logits, cache = prefill(model, rows, cache, max_length, chunk_size)
+    stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=model.device)
+    done = torch.zeros(len(rows), dtype=torch.bool, device=model.device)
+    for step in range(max_new_tokens):
+        tokens = sample(logits, temperature, top_k, top_p, generator)
+        out = [None if d else t for d, t in zip(done.tolist(), tokens.tolist(), strict=True)]
+        yield out
+        done |= torch.isin(tokens, stops)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            return
+        logits = model(tokens[:, None], cache=cache)[:, -1]
+
+
+def generate(model: CausalLM, prompts: Prompts, max_new_tokens: int = 64, **kwargs) -> list[list[int]]:
+    """The tokens generated for each prompt (see :func:`generate_stream` for the arguments)."""
+    rows = _as_rows(prompts)
+    out: list[list[int]] = [[] for _ in rows]
+    for step in generate_stream(model, rows, max_new_tokens, **kwargs):
+        for i, token in enumerate(step):
+            if token is not None:
+                out[i].append(token)
+    return out

@@ -1,0 +1,182 @@
+"""Prefill + decode with bounded caches equals the full forward pass; sampling; snapshots (Section 5)."""
+
+import math
+
+import pytest
+import torch
+
+from griffin import CausalLM, ModelConfig
+from griffin.cache import Cache, cache_bytes
+from griffin.generate import prefill, sample
+from tests.conftest import perturb_
+
+FAMILIES = ["mqa", "hawk", "griffin"]
+
+
+def tiny(family, gen, **kw):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = CausalLM(ModelConfig.from_preset(f"{family}-tiny", **kw)).eval()
+    perturb_(model, gen)
+    return model
+
+
+def incremental_logits(model, ids, splits, max_length):
+    """Logits of feeding ``ids`` through a cache in chunks of the given sizes, then one token at a time."""
+    cache = model.init_cache(ids.shape[0], max_length)
+    outs, t = [], 0
+    for n in splits:
+        outs.append(model(ids[:, t : t + n], cache=cache))
+        t += n
+    while t < ids.shape[1]:
+        outs.append(model(ids[:, t : t + 1], cache=cache))
+        t += 1
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prompt", [3, 17])  # shorter and longer than the window (6): the ring buffer wraps
+@pytest.mark.parametrize("variant", [{}, {"conv1d_document_reset": False}, {"complex_lru": True}])
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(gen, family, prompt, variant):
+    model = tiny(family, gen, **variant)
+    ids = torch.randint(0, 32, (2, 40), generator=gen)
+    full = model(ids)
+    inc, cache = incremental_logits(model, ids, [prompt], max_length=40)
+    assert (inc - full).abs().max() <= 1e-4
+    assert cache.step == 40 and cache.position.tolist() == [40, 40]
+    chunked, _ = incremental_logits(model, ids, [5, 9, 13], max_length=40)  # chunked prefill across the window
+    assert (chunked - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_mixed_prompt_lengths_in_one_batch(gen, family):
+    model = tiny(family, gen)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (1, 9, 4)]
+    logits, cache = prefill(model, prompts, max_length=30, chunk_size=4)
+    for i, p in enumerate(prompts):
+        expected = model(torch.tensor([p]))[0, -1]
+        assert (logits[i] - expected).abs().max() <= 1e-4
+    # Decoding continues each row as if it were alone.
+    nxt = torch.randint(0, 32, (3, 1), generator=gen)
+    step = model(nxt, cache=cache)[:, -1]
+    for i, p in enumerate(prompts):
+        expected = model(torch.tensor([p + [int(nxt[i])]]))[0, -1]
+        assert (step[i] - expected).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_generate_greedy_matches_argmax_of_full_forward(gen):
+    model = tiny("griffin", gen)
+    prompt = torch.randint(0, 32, (7,), generator=gen).tolist()
+    out = model.generate([prompt], max_new_tokens=12, temperature=0)[0]
+    seq = list(prompt)
+    for _ in range(12):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(prompt) :]
+
+
+@torch.no_grad()
+def test_seeded_sampling_is_reproducible_and_stops(gen):
+    model = tiny("hawk", gen)
+    prompts = [[1, 2, 3], [4, 5]]
+    a = model.generate(prompts, 20, temperature=1.0, top_k=10, top_p=0.9, seed=123)
+    b = model.generate(prompts, 20, temperature=1.0, top_k=10, top_p=0.9, seed=123)
+    assert a == b and all(len(r) == 20 for r in a)
+    stop = a[0][4]
+    c = model.generate(prompts, 20, temperature=1.0, top_k=10, top_p=0.9, seed=123, stop_tokens=[stop])
+    assert c[0] == a[0][: a[0].index(stop) + 1]
+    streamed = list(model.generate_stream(prompts, 5, temperature=0.7, seed=7))
+    assert len(streamed) == 5 and all(len(s) == 2 for s in streamed)
+
+
+def test_sample_restrictions(gen):
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, 1.0, top_k=2, generator=g)) for _ in range(200)}
+    assert draws == {0, 1}
+    draws = {int(sample(logits, 1.0, top_p=0.8, generator=g)) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.8
+    assert {int(sample(logits, 1.0, top_p=0.5, generator=g)) for _ in range(50)} == {0}
+    assert int(sample(logits, 0.0)) == 0
+
+
+@pytest.mark.parametrize("family", ["hawk", "griffin"])
+@torch.no_grad()
+def test_snapshot_save_load_fork_continue(gen, family, tmp_path):
+    model = tiny(family, gen)
+    prompt = torch.randint(0, 32, (1, 23), generator=gen)
+    _, cache = prefill(model, prompt)
+    cache.save(tmp_path / "state.safetensors")
+    restored = Cache.load(tmp_path / "state.safetensors", model.config)
+    cont = [[5, 6, 7]]
+    a = model.generate(cont, 10, temperature=0.8, seed=1, cache=cache.copy())
+    b = model.generate(cont, 10, temperature=0.8, seed=1, cache=restored)
+    full = model.generate([prompt[0].tolist() + cont[0]], 10, temperature=0.8, seed=1)
+    assert a == b == full
+    forked = cache.fork(4)
+    outs = model.generate(cont * 4, 6, temperature=0, cache=forked)
+    assert all(o == outs[0] for o in outs) and outs[0] == model.generate(cont, 6, temperature=0, cache=cache)[0]
+
+
+def test_snapshot_from_another_config_is_refused(gen, tmp_path):
+    model = tiny("griffin", gen)
+    _, cache = prefill(model, [[1, 2, 3]])
+    cache.save(tmp_path / "s.safetensors")
+    other = ModelConfig.from_preset("griffin-tiny", attention_window=7)
+    with pytest.raises(ValueError, match="different model config.*attention_window"):
+        Cache.load(tmp_path / "s.safetensors", other)
+    with pytest.raises(ValueError, match="different model config"):
+        CausalLM(other).generate([[1]], 2, cache=cache)
+
+
+def test_cache_memory_is_bounded_for_hawk_and_griffin_and_linear_for_mqa():
+    sizes = {}
+    for family in FAMILIES:
+        cfg = ModelConfig.from_preset(f"{family}-tiny")
+        sizes[family] = [cache_bytes(cfg, 2, n) for n in (10, 100, 1000)]
+    assert sizes["hawk"][0] == sizes["hawk"][2]
+    assert sizes["griffin"][1] == sizes["griffin"][2]  # past the window
+    assert sizes["mqa"][2] - sizes["mqa"][1] == 10 * (sizes["mqa"][1] - sizes["mqa"][0])
+    # The analytical size matches what the cache tensors actually hold.
+    for family in FAMILIES:
+        model = CausalLM(ModelConfig.from_preset(f"{family}-tiny"))
+        _, cache = prefill(model, [[1] * 50] * 2, max_length=50)
+        expected = cache_bytes(model.config, 2, 50, torch.float32)
+        # counters (2 x int64 per row) and the slots' step/segment bookkeeping come on top
+        bookkeeping = sum(t.numel() * t.element_size() for name, t in cache.tensors().items()
+                          if name.split(".")[-1] in ("index", "segment", "position"))
+        assert cache.nbytes() - bookkeeping == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,needle",
+    [
+        (dict(prompts=[]), ValueError, "empty prompt list"),
+        (dict(prompts=[[1], []]), ValueError, "prompt 1 is empty"),
+        (dict(prompts=[[1, 99]]), ValueError, "token id 99 outside the vocabulary"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens=-1"),
+        (dict(temperature=-0.5), ValueError, "temperature=-0.5"),
+        (dict(temperature=math.nan), ValueError, "temperature=nan"),
+        (dict(top_p=0.0), ValueError, "top_p=0.0"),
+        (dict(top_p=1.5), ValueError, "top_p=1.5"),
+        (dict(top_k=-3), ValueError, "top_k=-3"),
+        (dict(prompts=torch.zeros(1, 3)), TypeError, "integers"),
+    ],
+)
+def test_bad_generation_input(gen, kwargs, err, needle):
+    model = tiny("griffin", gen)
+    args = dict(prompts=[[1, 2]], max_new_tokens=3)
+    args.update(kwargs)
+    with pytest.raises(err, match=needle):
+        model.generate(args.pop("prompts"), **args)
+    assert len(model.generate([[1, 2]], 3, temperature=0)[0]) == 3  # still usable
+
+
+def test_prompt_longer_than_global_cache(gen):
+    model = tiny("mqa", gen)
+    _, cache = prefill(model, [[1, 2, 3]], max_length=5)
+    with pytest.raises(ValueError, match="KV cache holds 5 tokens"):
+        model.generate([[4, 5]], 3, cache=cache)
+    with pytest.raises(ValueError, match="longer than max_length=2"):
+        prefill(model, [[1, 2, 3]], max_length=2)
