@@ -35,3 +35,24 @@ def test_convert_reports_errors(tmp_path, capsys):
     assert "no checkpoint at" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["convert"])
+
+
+def test_generate_command(tmp_path, gen, capsys):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256))
+    model.save_pretrained(tmp_path / "m")
+    base = ["generate", str(tmp_path / "m"), "--tokenizer", "bytes", "--max-new-tokens", "6", "--temperature", "0"]
+    assert main([*base, "--prompt", "hello"]) == 0
+    out = capsys.readouterr().out
+    expected = bytes(model.generate([list(b"hello")], 6, temperature=0)[0]).decode("utf-8", "replace")
+    assert out == "hello" + expected + "\n"
+    # A snapshot after a prompt, continued later, gives the continuation of prompt + continuation.
+    assert main([*base, "--prompt", "hel", "--max-new-tokens", "0", "--save-state", str(tmp_path / "s")]) == 0
+    capsys.readouterr()
+    assert main([*base, "--prompt", "lo", "--load-state", str(tmp_path / "s")]) == 0
+    assert capsys.readouterr().out == "lo" + expected + "\n"
+    (tmp_path / "prompts.txt").write_text("ab\ncd\n")
+    assert main([*base, "--prompt-file", str(tmp_path / "prompts.txt")]) == 0
+    assert capsys.readouterr().out.count("-" * 40) == 2
+    assert main([*base, "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p=0.0" in capsys.readouterr().err

@@ -74,6 +74,77 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text(encoding="utf-8")
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give a prompt with --prompt TEXT or --prompt-file FILE (one prompt per line)")
+    return prompts
+
+
+def _printable(text: str, final: bool) -> str:
+    """Text for the terminal: undecodable bytes (surrogate escapes) become U+FFFD, except trailing ones while
+    streaming, which may be the start of a character still being generated."""
+    if not final:
+        text = text.rstrip("".join(map(chr, range(0xDC80, 0xDD00))))
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from griffin.cache import Cache
+    from griffin.checkpoint import load_pretrained
+    from griffin.generate import check_sampling, decode_stream, prefill
+    from griffin.tokenizer import load_tokenizer
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    prompts = _read_prompts(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype] if args.dtype else None)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                         f"{model.config.vocab_size}")
+    cache = Cache.load(args.load_state, model.config, model.device) if args.load_state else None
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and not args.no_bos and cache is None else []
+    rows = [bos + tokenizer.encode(p) for p in prompts]
+    if cache is not None and len(rows) > 1:
+        cache = cache.fork(len(rows))
+    if args.save_state and len(rows) > 1:
+        raise ValueError("--save-state needs a single prompt")
+    max_length = None if cache is not None else max(map(len, rows)) + args.max_new_tokens
+    logits, cache = prefill(model, rows, cache, max_length, args.chunk_size)
+    if args.save_state:
+        cache.save(args.save_state)
+        print(f"saved the state after {cache.step} tokens to {args.save_state}", file=sys.stderr)
+    stops = list(args.stop_token or [])
+    if tokenizer.eos_id is not None and not args.no_stop_at_eos:
+        stops.append(tokenizer.eos_id)
+    out: list[list[int]] = [[] for _ in rows]
+    stream = len(rows) == 1
+    if stream:
+        print(prompts[0], end="", flush=True)
+    shown = ""
+    steps = decode_stream(model, logits, cache, args.max_new_tokens,
+                          args.temperature, args.top_k, args.top_p, args.seed, stops)
+    for step in steps:
+        for i, token in enumerate(step):
+            if token is not None:
+                out[i].append(token)
+        if stream:
+            text = _printable(tokenizer.decode(out[0]), final=False)
+            print(text[len(shown):] if text.startswith(shown) else text, end="", flush=True)
+            shown = text
+    if stream:
+        text = _printable(tokenizer.decode(out[0]), final=True)
+        print(text[len(shown):] if text.startswith(shown) else text)
+    else:
+        for prompt, ids in zip(prompts, out, strict=True):
+            print(prompt + _printable(tokenizer.decode(ids), final=True))
+            print("-" * 40)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="griffin", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="official checkpoints only: attention_window_size used in training (default 2048)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="'bytes' (byte-level), a tokenizer.json, a SentencePiece .model, or a directory holding one")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", help="a text file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop-token", type=int, action="append", help="stop a row after this token id (repeatable)")
+    p.add_argument("--no-stop-at-eos", action="store_true", help="do not stop at the tokenizer's EOS token")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token")
+    p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk length (bounds memory)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    p.add_argument("--save-state", help="save the model state after the prompt to this file (a snapshot)")
+    p.add_argument("--load-state", help="continue from a saved state instead of an empty context")
+    p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("info", help="show the config of a preset or a checkpoint")
     p.add_argument("path", help="a preset name or a checkpoint path")

@@ -157,18 +157,34 @@ def generate_stream(
             cache.step + len(rows[0]) + max_new_tokens > cache.max_length:
         raise ValueError(f"the global-attention KV cache holds {cache.max_length} tokens: {cache.step} used, "
                          f"{len(rows[0])} in the prompt and {max_new_tokens} to generate do not fit")
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(seed)
     if max_new_tokens == 0:
         return
     logits, cache = prefill(model, rows, cache, max_length, chunk_size)
+    yield from decode_stream(model, logits, cache, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens)
+
+
+@torch.no_grad()
+def decode_stream(
+    model: CausalLM,
+    logits: Tensor,
+    cache: Cache,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] = (),
+) -> Iterator[list[int | None]]:
+    """Sample from ``logits`` (B, V), the output of :func:`prefill`, then continue one token at a time."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
     stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=model.device)
-    done = torch.zeros(len(rows), dtype=torch.bool, device=model.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=model.device)
     for step in range(max_new_tokens):
         tokens = sample(logits, temperature, top_k, top_p, generator)
-        out = [None if d else t for d, t in zip(done.tolist(), tokens.tolist(), strict=True)]
-        yield out
+        yield [None if d else t for d, t in zip(done.tolist(), tokens.tolist(), strict=True)]
         done |= torch.isin(tokens, stops)
         if bool(done.all()) or step == max_new_tokens - 1:
             return

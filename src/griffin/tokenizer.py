@@ -1,0 +1,108 @@
+"""Tokenizers: byte-level (no files), HF ``tokenizers`` JSON files and SentencePiece models.
+
+Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``bos_id`` and
+``eos_id`` (None when it has none). The RecurrentGemma tokenizer is a SentencePiece model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (vocabulary 256, no special tokens). Any string round-trips, including ones
+    holding undecodable bytes as surrogate escapes (``bytes.decode("utf-8", "surrogateescape")``)."""
+
+    vocab_size = 256
+    bos_id = None
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", "surrogateescape"))
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        return list(data)
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        bad = [i for i in ids if not 0 <= i < 256]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is not a byte (0..255)")
+        return bytes(ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", "surrogateescape")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` file of the HF ``tokenizers`` library (BPE, WordPiece, ...)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self.tok = _Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size()
+        self.bos_id = self._special(("<bos>", "<s>", "<|bos|>", "[BOS]"))
+        self.eos_id = self._special(("<eos>", "</s>", "<|endoftext|>", "<|eos|>", "[EOS]"))
+
+    def _special(self, names: Sequence[str]) -> int | None:
+        for name in names:
+            idx = self.tok.token_to_id(name)
+            if idx is not None:
+                return idx
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece ``.model`` file (the RecurrentGemma tokenizer is one)."""
+
+    def __init__(self, path: str | Path) -> None:
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode(list(ids))
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """``bytes`` for the byte-level tokenizer, a ``.json`` file for HF tokenizers, a ``.model`` file for
+    SentencePiece, or a directory holding ``tokenizer.json`` or ``tokenizer.model``."""
+    if str(spec) == "bytes":
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).exists():
+                return load_tokenizer(path / name)
+        raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer.model")
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer at {path} (use 'bytes' for the byte-level tokenizer)")
+    if path.suffix == ".json":
+        return HFTokenizer(path)
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    raise ValueError(f"unrecognised tokenizer file {path}: expected .json (HF tokenizers) or .model (SentencePiece)")
