@@ -109,11 +109,26 @@ class MultiQueryAttention(nn.Module):
             keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
             k_index, k_seg = torch.cat([cache.index, q_index]), torch.cat([cache.segment, segments], 1)
         mask = attention_mask(q_index, k_index, self.window, segments, k_seg) & (k_index >= 0)
-        out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
+        if T == 1:
+            out = self._attend_one(q, keys, values, mask)
+        else:
+            out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
         if cache.local and T > 1:
             last = q_index[-slots:]
             self._write(cache, last % slots, k[:, -slots:], v[:, -slots:], segments[:, -slots:], index=last)
         return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """Decode-step attention of one query per row, (B, 1, H, d) -> (B, H, 1, d): two small matmuls, which
+        on CPU are far cheaper than a fused kernel's setup for a single query."""
+        B, _, H, d = q.shape
+        G = H // self.num_kv_heads
+        qg = q.view(B, self.num_kv_heads, G, d)  # heads sharing a key/value head side by side
+        scores = torch.einsum("bkgd,bskd->bkgs", qg, keys) * self.head_dim**-0.5
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))  # mask (B, 1, S)
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.einsum("bkgs,bskd->bkgd", probs, values)
+        return out.reshape(B, H, 1, d)
 
     @staticmethod
     def _write(cache: AttentionCache, slots: Tensor, k: Tensor, v: Tensor, segments: Tensor,
