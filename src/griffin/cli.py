@@ -58,6 +58,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from griffin import bench
+
+    return bench.main(args.options)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from griffin.checkpoint import detect_format, load_pretrained
 
@@ -181,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-state", help="save the model state after the prompt to this file (a snapshot)")
     p.add_argument("--load-state", help="continue from a saved state instead of an empty context")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: 'griffin bench inference --help' (Section 5)")
+    p.add_argument("suite", choices=("inference",), help="which benchmark")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="show the config of a preset or a checkpoint")
     p.add_argument("path", help="a preset name or a checkpoint path")
