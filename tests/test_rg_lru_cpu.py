@@ -56,3 +56,17 @@ def test_extreme_decays_are_stable_over_long_sequences(gen):
     ref, _ = rg_lru_ref(x.double(), gx.double(), ga.double(), lam.double(), 8.0)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch(gen, monkeypatch):
+    from griffin.ops import rg_lru as op
+
+    x, gx, ga, lam, h0, reset = inputs(gen, 2, 9, 5, torch.float32)
+    assert op._default_backend(x) == "cpu"
+    outs = {b: op.rg_lru(x, gx, ga, lam, 8.0, h0, reset, backend=b)[0] for b in op.BACKENDS if b != "triton"}
+    for b, y in outs.items():
+        torch.testing.assert_close(y, outs["ref"], msg=b)
+    monkeypatch.setenv("GRIFFIN_RG_LRU_BACKEND", "ref")
+    torch.testing.assert_close(op.rg_lru(x, gx, ga, lam, 8.0, h0, reset)[0], outs["ref"])
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        op.rg_lru(x, gx, ga, lam, backend="fast")

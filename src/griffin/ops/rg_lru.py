@@ -9,10 +9,14 @@ Given x (after the Conv1D) and the pre-activations of the two gates,
 
 At a document start (``reset``) the state is dropped and the input is not normalised: h_t = i_t * x_t.
 :func:`rg_lru_ref` is the readable reference; :func:`rg_lru` is the dispatched operator where fused
-kernels plug in (today: gate math in PyTorch followed by :func:`griffin.ops.scan.linear_scan`).
+kernels plug in: a fused Triton kernel on NVIDIA GPUs, a fused numba kernel on CPU, or the gate math in
+PyTorch followed by :func:`griffin.ops.scan.linear_scan`.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +25,8 @@ from torch import Tensor
 from griffin.ops.scan import linear_scan
 
 MAX_SQRT_GRADIENT = 1000.0
+BACKENDS = ("triton", "cpu", "torch", "ref")
+_ENV_VAR = "GRIFFIN_RG_LRU_BACKEND"
 
 
 class SqrtBoundDerivative(torch.autograd.Function):
@@ -90,7 +96,36 @@ def rg_lru(
     *,
     backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The RG-LRU operator (see the module docstring). Returns y (like x) and the fp32 final state."""
+    """The RG-LRU operator (see the module docstring). Returns y (like x) and the fp32 final state.
+
+    backend: "triton" (fused GPU kernel, :mod:`griffin.ops.rg_lru_triton`), "cpu" (fused CPU kernel,
+    :mod:`griffin.ops.rg_lru_cpu`), "torch" (PyTorch gate math, then :func:`linear_scan` with its default backend)
+    or "ref" (:func:`rg_lru_ref`). None: ``$GRIFFIN_RG_LRU_BACKEND`` if set, else "triton" for 16/32-bit CUDA
+    inputs when Triton is importable, "cpu" for real floating CPU inputs, else "torch".
+    """
     check_rg_lru_inputs(x, gate_x, gate_a, a_param)
-    a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
-    return linear_scan(a, b, h0, reset, backend=backend)
+    if backend is None:
+        backend = os.environ.get(_ENV_VAR) or _default_backend(x)
+    if backend == "triton":
+        from griffin.ops.rg_lru_triton import rg_lru_triton
+
+        return rg_lru_triton(x, gate_x, gate_a, a_param, c, h0, reset)
+    if backend == "cpu":
+        from griffin.ops.rg_lru_cpu import rg_lru_cpu  # numba is imported on first use only
+
+        return rg_lru_cpu(x, gate_x, gate_a, a_param, c, h0, reset)
+    if backend == "ref":
+        return rg_lru_ref(x, gate_x, gate_a, a_param, c, h0, reset)
+    if backend == "torch":
+        a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
+        return linear_scan(a, b, h0, reset)
+    raise ValueError(f"rg_lru: unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _default_backend(x: Tensor) -> str:
+    if x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if importlib.util.find_spec("triton") is not None:
+            return "triton"
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return "cpu"
+    return "torch"
