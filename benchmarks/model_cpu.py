@@ -17,6 +17,7 @@ import platform
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,6 +42,13 @@ def time_steps(step, repeats: int) -> float:
         step()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor, logits_of) -> None:
+    """Forward, next-token cross-entropy, backward."""
+    model.zero_grad(set_to_none=True)
+    logits = logits_of(model, ids)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
 
 
 def make_models(width: int, depth: int, vocab: int, window: int):
@@ -82,18 +90,8 @@ def main() -> None:
         with torch.no_grad():
             diff = (hf(ids, use_cache=False).logits - ours(ids)).abs().max().item()
 
-        def hf_step() -> None:
-            hf.zero_grad(set_to_none=True)
-            logits = hf(ids, use_cache=False).logits
-            F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-
-        def our_step() -> None:
-            ours.zero_grad(set_to_none=True)
-            logits = ours(ids)
-            F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-
-        t_ours = time_steps(our_step, args.repeats)
-        t_hf = time_steps(hf_step, args.repeats)
+        t_ours = time_steps(partial(train_step, ours, ids, lambda m, x: m(x)), args.repeats)
+        t_hf = time_steps(partial(train_step, hf, ids, lambda m, x: m(x, use_cache=False).logits), args.repeats)
         tokens = args.batch * args.seq
         rows.append(dict(width=width, depth=args.depth, params=ours.num_parameters(), batch=args.batch,
                          seq=args.seq, max_logit_diff=diff, griffin_s=t_ours, hf_s=t_hf,
