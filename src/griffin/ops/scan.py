@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 BACKENDS = ("ref", "cpu")
-_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _ENV_VAR = "GRIFFIN_SCAN_BACKEND"
 
 
@@ -62,7 +61,7 @@ def linear_scan_ref(
     acc = accumulation_dtype(a.dtype)
     if reset is not None:
         a = a * ~reset[..., None]
-    h = torch.zeros_like(b[:, 0], dtype=acc) if h0 is None else h0.to(acc)
+    h = b.new_zeros(b.shape[0], b.shape[2], dtype=acc) if h0 is None else h0.to(acc)
     hs = []
     for t in range(a.shape[1]):
         h = a[:, t].to(acc) * h + b[:, t].to(acc)
@@ -83,7 +82,7 @@ def default_backend(a: Tensor) -> str:
         if forced not in BACKENDS:
             raise ValueError(f"{_ENV_VAR}={forced!r} is not one of {BACKENDS}")
         return forced
-    if a.device.type == "cpu" and a.dtype in _CPU_DTYPES:
+    if a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return "cpu"
     return "ref"
 

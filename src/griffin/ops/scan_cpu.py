@@ -10,8 +10,10 @@ module does the same on CPU with numba:
 * work is split over the batch and, when the batch is smaller than the thread count, over blocks of channels,
   so every core streams its own slice of memory; the inner loop runs over contiguous channels and vectorises.
 * float32/bfloat16/float16 inputs accumulate in float32, float64 in float64. The kernels are compiled for
-  float32 and float64 only; 16-bit inputs are converted on the way in and the outputs back on the way out,
-  and their backward recomputes h in float32 rather than using the rounded output. float32/float64 save h.
+  float32 and float64 only. float32/float64 inputs are scanned in place and h is saved for the backward.
+  16-bit inputs are converted to float32 one time block at a time (so the copies stay in cache) and the outputs
+  converted back; the float32 state entering each block is saved, and the backward recomputes the block's
+  float32 h from it rather than using the rounded output.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _LINE = 16  # float32 values per 64-byte cache line: channel blocks are multiples of this
 _BLOCK_BYTES = 2 * 2**20  # 16-bit inputs are scanned in time blocks whose float32 copies stay in cache
 _HUGE_PAGE = 2 * 2**20
-_HUGE_PAGE_MIN_BYTES = 32 * 2**20  # glibc serves smaller blocks from its heap, reused without page faults
+_HUGE_PAGE_MIN_BYTES = 32 * 2**20  # glibc's largest mmap threshold: smaller freed blocks are reused from its heap
 _LIBC = ctypes.CDLL(None) if sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") else None
 
 
