@@ -285,9 +285,10 @@ def test_inputs_without_grad_build_no_graph():
 def test_default_backend(monkeypatch):
     monkeypatch.delenv("GRIFFIN_SCAN_BACKEND", raising=False)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        assert default_backend(torch.zeros(1, 1, 1, dtype=dtype)) == "cpu"
-        assert default_backend(torch.zeros(1, 1, 1, dtype=dtype, requires_grad=True)) == "cpu"
-    assert default_backend(torch.zeros(1, 1, 1, dtype=torch.complex64)) == "ref"
+        assert default_backend(torch.zeros(1, 2, 1, dtype=dtype)) == "cpu"
+        assert default_backend(torch.zeros(1, 2, 1, dtype=dtype, requires_grad=True)) == "cpu"
+        assert default_backend(torch.zeros(1, 1, 1, dtype=dtype)) == "ref"  # a single decode step
+    assert default_backend(torch.zeros(1, 2, 1, dtype=torch.complex64)) == "ref"
     assert default_backend(torch.zeros(1, 1, 1, device="meta")) == "ref"
     monkeypatch.setenv("GRIFFIN_SCAN_BACKEND", "ref")
     assert default_backend(torch.zeros(1, 1, 1)) == "ref"

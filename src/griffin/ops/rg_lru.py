@@ -101,7 +101,8 @@ def rg_lru(
     backend: "triton" (fused GPU kernel, :mod:`griffin.ops.rg_lru_triton`), "cpu" (fused CPU kernel,
     :mod:`griffin.ops.rg_lru_cpu`), "torch" (PyTorch gate math, then :func:`linear_scan` with its default backend)
     or "ref" (:func:`rg_lru_ref`). None: ``$GRIFFIN_RG_LRU_BACKEND`` if set, else "triton" for 16/32-bit CUDA
-    inputs when Triton is importable, "cpu" for real floating CPU inputs, else "torch".
+    inputs when Triton is importable, "cpu" for real floating CPU inputs, else "torch"; always "torch" for one
+    time step (decoding).
     """
     check_rg_lru_inputs(x, gate_x, gate_a, a_param)
     if backend is None:
@@ -123,6 +124,8 @@ def rg_lru(
 
 
 def _default_backend(x: Tensor) -> str:
+    if x.shape[1] == 1:
+        return "torch"  # a decode step: a few tiny element-wise ops beat any kernel launch
     if x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         if importlib.util.find_spec("triton") is not None:
             return "triton"

@@ -75,14 +75,16 @@ def default_backend(a: Tensor) -> str:
     """The backend used when none is asked for: $GRIFFIN_SCAN_BACKEND, else the fastest available.
 
     That is "cpu" (numba kernels, :mod:`griffin.ops.scan_cpu`) for real floating CPU tensors, with or without
-    requires_grad, and "ref" for everything else (complex dtypes, other devices).
+    requires_grad, and "ref" for everything else (complex dtypes, other devices) and for a single time step
+    (decoding), where one multiply-add beats a kernel launch.
     """
     forced = os.environ.get(_ENV_VAR)
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"{_ENV_VAR}={forced!r} is not one of {BACKENDS}")
         return forced
-    if a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    if a.shape[1] > 1 and a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64, torch.bfloat16,
+                                                                    torch.float16):
         return "cpu"
     return "ref"
 
