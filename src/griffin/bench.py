@@ -16,7 +16,7 @@ Everything is timed with ``time.perf_counter`` after warm-up runs (medians over 
 through :func:`griffin.generate.generate_stream` at temperature 0, the loop that ``CausalLM.generate`` consumes;
 its per-token timestamps give the prefill time and the median decode step at no extra cost.
 
-    python benchmarks/inference.py                       # CPU-sized defaults (a few minutes on 2 cores)
+    python benchmarks/inference.py                       # CPU-sized defaults (about 8 minutes on 2 cores)
     python benchmarks/inference.py --scale paper-1b --device cuda --dtype bfloat16    # the paper's 1B setting
 """
 
