@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from griffin.ops.scan import linear_scan
-from griffin.ops.scan_cpu import _backward_kernel, _chunk, _forward_kernel
+from griffin.ops.scan_cpu import _backward_kernel, _forward_kernel, channel_chunk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -102,7 +102,7 @@ def main() -> None:
     f32 = [x.float().numpy() for x in (a, b, g)]
     h0, flags = torch.zeros(args.batch, args.dim).numpy(), torch.zeros(args.batch, args.time, dtype=torch.bool).numpy()
     out = [torch.zeros(shape).numpy() for _ in range(3)] + [torch.zeros(args.batch, args.dim).numpy()]
-    chunk = _chunk(args.batch, args.dim)
+    chunk = channel_chunk(args.batch, args.dim)
 
     fast = {  # name: (function, bytes it moves)
         "copy_ (preallocated)": (lambda: dst.copy_(src), 2 * src.numel() * 4),

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from griffin.ops.rg_lru import MAX_SQRT_GRADIENT
 from griffin.ops.scan import accumulation_dtype
-from griffin.ops.scan_cpu import _chunk, _empty_like, _np
+from griffin.ops.scan_cpu import channel_chunk, empty_like_hugepages
 
 _MIN_4U = 1.0 / MAX_SQRT_GRADIENT**2  # d sqrt(u)/du = 1 / sqrt(max(4u, _MIN_4U))
 
@@ -113,11 +113,11 @@ class _RGLRUCPU(torch.autograd.Function):
         softplus_lam = torch.nn.functional.softplus(a_param.detach().to(acc)).contiguous()
         h0_ = x.new_zeros(batch, dim, dtype=acc) if h0 is None else _prep(h0, acc)
         reset_ = torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.detach().contiguous()
-        h = _empty_like(xs)
+        h = empty_like_hugepages(xs)
         h_last = torch.empty_like(h0_)
-        chunk = _chunk(batch, dim)
-        _forward_kernel(_np(xs), _np(gxs), _np(gas), _np(softplus_lam), float(c), _np(h0_), _np(reset_), chunk,
-                        _np(h), _np(h_last))
+        chunk = channel_chunk(batch, dim)
+        _forward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), softplus_lam.numpy(), float(c), h0_.numpy(),
+                        reset_.numpy(), chunk, h.numpy(), h_last.numpy())
         ctx.save_for_backward(xs, gxs, gas, softplus_lam, h0_, reset_, h, a_param)
         ctx.c, ctx.chunk, ctx.dtype, ctx.h0_dtype = float(c), chunk, x.dtype, None if h0 is None else h0.dtype
         return h.to(x.dtype), h_last
@@ -128,11 +128,12 @@ class _RGLRUCPU(torch.autograd.Function):
         acc = xs.dtype
         g = _prep(grad_y, acc) if grad_y is not None else torch.zeros_like(xs)
         g_last = _prep(grad_h_last, acc) if grad_h_last is not None else torch.zeros_like(h0)
-        dx, dgx, dga = _empty_like(xs), _empty_like(xs), _empty_like(xs)
+        dx, dgx, dga = empty_like_hugepages(xs), empty_like_hugepages(xs), empty_like_hugepages(xs)
         dsoftplus = torch.empty_like(h0)
         dh0 = torch.empty_like(h0)
-        _backward_kernel(_np(xs), _np(gxs), _np(gas), _np(softplus_lam), ctx.c, _np(h0), _np(reset), _np(h),
-                         _np(g), _np(g_last), ctx.chunk, _np(dx), _np(dgx), _np(dga), _np(dsoftplus), _np(dh0))
+        _backward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), softplus_lam.numpy(), ctx.c, h0.numpy(), reset.numpy(),
+                         h.numpy(), g.numpy(), g_last.numpy(), ctx.chunk, dx.numpy(), dgx.numpy(), dga.numpy(),
+                         dsoftplus.numpy(), dh0.numpy())
         d_lam = dsoftplus.sum(0) * torch.sigmoid(a_param.detach().to(acc))
         return (dx.to(ctx.dtype), dgx.to(ctx.dtype), dga.to(ctx.dtype), d_lam.to(a_param.dtype), None,
                 None if ctx.h0_dtype is None else dh0.to(ctx.h0_dtype), None)

@@ -108,7 +108,7 @@ def _backward_kernel(
         grad_h0[n, lo:hi] = carry
 
 
-def _chunk(batch: int, dim: int) -> int:
+def channel_chunk(batch: int, dim: int) -> int:
     """Channels per task: whole rows when the batch alone feeds every thread (each task then streams one contiguous
     block of memory), else the fewest cache-line-aligned channel blocks that give every thread work."""
     threads = numba.get_num_threads()
@@ -123,7 +123,7 @@ def _np(x: Tensor) -> np.ndarray:
     return x.detach().numpy()
 
 
-def _empty_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def empty_like_hugepages(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A contiguous empty tensor shaped like x; a large one asks Linux to back its 2 MiB-aligned interior with
     transparent huge pages.
 
@@ -141,11 +141,11 @@ def _empty_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def _to(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """x detached, contiguous and in dtype: x itself if it already is, else one copy into :func:`_empty_like`."""
+    """x detached, contiguous and in dtype: x itself if it already is, else one copy into empty_like_hugepages."""
     x = x.detach()
     if x.dtype == dtype and x.is_contiguous():
         return x
-    return _empty_like(x, dtype).copy_(x)
+    return empty_like_hugepages(x, dtype).copy_(x)
 
 
 def _time_blocks(a: Tensor) -> list[tuple[int, int]]:
@@ -166,9 +166,9 @@ def _initial_state(a: Tensor, h0: Tensor | None, reset: Tensor | None) -> tuple[
 
 def _forward(a: Tensor, b: Tensor, h0: Tensor, reset: Tensor) -> tuple[Tensor, Tensor]:
     """The forward kernel on contiguous float32/float64 inputs: h and h_last (new tensors)."""
-    h = _empty_like(a)
+    h = empty_like_hugepages(a)
     h_last = torch.empty_like(h0)
-    _forward_kernel(_np(a), _np(b), _np(h0), _np(reset), _chunk(a.shape[0], a.shape[2]), _np(h), _np(h_last))
+    _forward_kernel(_np(a), _np(b), _np(h0), _np(reset), channel_chunk(a.shape[0], a.shape[2]), _np(h), _np(h_last))
     return h, h_last
 
 
@@ -179,7 +179,7 @@ def _forward_blocked(a: Tensor, b: Tensor, h0: Tensor, reset: Tensor) -> tuple[T
     from which the backward recomputes each block's float32 h.
     """
     blocks = _time_blocks(a)
-    h = _empty_like(a)
+    h = empty_like_hugepages(a)
     states = torch.empty(len(blocks), *h0.shape)
     state = h0.clone()
     for k, (t0, t1) in enumerate(blocks):
@@ -194,9 +194,9 @@ def _backward(
     a: Tensor, h: Tensor, h0: Tensor, reset: Tensor, g: Tensor, g_last: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernel on contiguous float32/float64 tensors: grad_a, grad_b, grad_h0 (the carry into h0)."""
-    grad_a, grad_b, grad_h0 = _empty_like(a), _empty_like(a), torch.empty_like(h0)
+    grad_a, grad_b, grad_h0 = empty_like_hugepages(a), empty_like_hugepages(a), torch.empty_like(h0)
     _backward_kernel(
-        _np(a), _np(h), _np(h0), _np(reset), _np(g), _np(g_last), _chunk(a.shape[0], a.shape[2]),
+        _np(a), _np(h), _np(h0), _np(reset), _np(g), _np(g_last), channel_chunk(a.shape[0], a.shape[2]),
         _np(grad_a), _np(grad_b), _np(grad_h0),
     )  # fmt: skip
     return grad_a, grad_b, grad_h0
@@ -207,7 +207,7 @@ def _backward_blocked(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward for 16-bit inputs, last time block first: recompute the block's float32 h from its saved
     state, then reverse-scan it; the carry a_t0 * dh_t0 it leaves is the next block's gradient into its last h."""
-    grad_a, grad_b = _empty_like(a), _empty_like(a)
+    grad_a, grad_b = empty_like_hugepages(a), empty_like_hugepages(a)
     carry = _to(g_last, torch.float32)
     for k, (t0, t1) in reversed(list(enumerate(_time_blocks(a)))):
         a_block, r_block = _to(a[:, t0:t1], torch.float32), _to(reset[:, t0:t1], torch.bool)
