@@ -1,6 +1,9 @@
-import pytest
+import random
 
-from griffin.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer
+import pytest
+import torch
+
+from griffin.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer, train_bpe
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "griffin mixes gated linear recurrences",
           "with local attention", "hawk is a pure recurrent model"] * 20
@@ -55,3 +58,43 @@ def test_bad_tokenizer_paths(tmp_path):
         load_tokenizer(tmp_path / "vocab.txt")
     with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor tokenizer.model"):
         load_tokenizer(tmp_path)
+
+
+# code point ranges for random text: ASCII, Latin-1, combining marks, Greek, Cyrillic, Arabic, Devanagari, Hangul,
+# CJK, emoji, zero-width joiner / variation selectors, supplementary-plane CJK
+UNICODE_RANGES = [(0x00, 0x7F), (0xA0, 0xFF), (0x300, 0x36F), (0x370, 0x3FF), (0x400, 0x4FF), (0x600, 0x6FF),
+                  (0x900, 0x97F), (0xAC00, 0xD7A3), (0x4E00, 0x9FFF), (0x1F300, 0x1FAFF), (0x200B, 0x200D),
+                  (0xFE00, 0xFE0F), (0x20000, 0x2A6DF)]
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    chars = []
+    for _ in range(length):
+        lo, hi = rng.choice(UNICODE_RANGES)
+        chars.append(chr(rng.randint(lo, hi)))
+    return "".join(chars)
+
+
+def test_train_bpe(tmp_path, gen):
+    (tmp_path / "a.txt").write_text("\n".join(CORPUS[:40]))
+    (tmp_path / "b.jsonl").write_text("".join(f'{{"body": "{line}"}}\n' for line in CORPUS[40:]))
+    path = train_bpe([tmp_path], tmp_path / "out", vocab_size=300, text_field="body")
+    assert path == tmp_path / "out" / "tokenizer.json" and [p.name for p in path.parent.iterdir()] == [path.name]
+    tok = load_tokenizer(path)
+    assert isinstance(tok, HFTokenizer) and tok.bos_id == 0 and tok.eos_id == 1 and 258 < tok.vocab_size <= 300
+    assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # merges learnt
+    rng = random.Random(int(torch.randint(2**31, (), generator=gen)))
+    for length in (0, 1, 2, 7, 50, 300):
+        for _ in range(10):
+            text = random_text(rng, length)
+            assert tok.decode(tok.encode(text)) == text, ascii(text)
+    fixed = ["e\u0301\u0302 n\u0303", "👩\u200d👩\u200d👧 🏳️\u200d🌈 👍🏽", "日本語のテキスト 中文 한국어",
+             "\x00\r\n\t  trailing  ", "  lead"]
+    for text in fixed:
+        assert tok.decode(tok.encode(text)) == text
+    assert train_bpe([tmp_path / "a.txt"], tmp_path / "x.json", vocab_size=258) == tmp_path / "x.json"
+    with pytest.raises(ValueError, match="vocab_size 257 is too small"):
+        train_bpe([tmp_path / "a.txt"], tmp_path / "y.json", vocab_size=257)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        train_bpe([tmp_path / "nope"], tmp_path / "y.json")
+    assert not (tmp_path / "y.json").exists()

@@ -6,6 +6,7 @@ Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``voc
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -106,3 +107,42 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
     raise ValueError(f"unrecognised tokenizer file {path}: expected .json (HF tokenizers) or .model (SentencePiece)")
+
+
+BPE_SPECIAL_TOKENS = ("<bos>", "<eos>")
+
+
+def train_bpe(files: Sequence[str | Path], out_path: str | Path, vocab_size: int = 8192, *,
+              text_field: str = "text") -> Path:
+    """Train a byte-level BPE tokenizer (HF ``tokenizers``) on local files and save it as ``tokenizer.json``.
+
+    ``files`` are read with ``griffin.data.iter_documents`` (text, JSONL, parquet; directories walked). The
+    vocabulary holds ``<bos>`` (id 0), ``<eos>`` (id 1), the 256 bytes and the learnt merges, so any string
+    round-trips (no normaliser, byte-level pre-tokenizer and decoder). ``out_path`` is the file to write, or a
+    directory to write ``tokenizer.json`` into (a path without a ``.json`` suffix counts as a directory); the file
+    is written atomically. Returns its path."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from griffin.data import _valid_utf8, iter_documents
+
+    if vocab_size < 256 + len(BPE_SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least "
+                         f"{256 + len(BPE_SPECIAL_TOKENS)} (256 bytes + {', '.join(BPE_SPECIAL_TOKENS)})")
+    out_path = Path(out_path)
+    if out_path.is_dir() or out_path.suffix != ".json":
+        out_path = out_path / "tokenizer.json"
+    tok = _Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((_valid_utf8(t) for t in iter_documents(files, text_field=text_field)), trainer)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    try:
+        tok.save(str(tmp))
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
