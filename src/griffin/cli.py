@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def preset_table(markdown: bool = False) -> str:
     """Each preset's parameter count beside the paper's nominal size (models built on the meta device)."""
     nominal = {size: size.upper() for size in PAPER_SIZES}
-    nominal.update({"synthetic": "~250K", "tiny": "a few K", "2b": "2.7B", "9b": "8.6B"})
+    nominal.update({"cpu": "~1M", "synthetic": "~250K", "tiny": "a few K", "2b": "2.7B", "9b": "8.6B"})
     rows = []
     for name, cfg in PRESETS.items():
         size = name.rsplit("-", 1)[1]
@@ -98,6 +98,15 @@ def _printable(text: str, final: bool) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+def _tokenizer_spec(spec: str, checkpoint: str) -> str:
+    """'auto': the tokenizer stored beside the checkpoint (``griffin train`` copies it there), else bytes."""
+    if spec != "auto":
+        return spec
+    directory = Path(checkpoint)
+    found = [directory / n for n in ("tokenizer.json", "tokenizer.model") if (directory / n).is_file()]
+    return str(found[0]) if found else "bytes"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from griffin.cache import Cache
     from griffin.checkpoint import load_pretrained
@@ -106,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _read_prompts(args)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(_tokenizer_spec(args.tokenizer, args.checkpoint))
     model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype] if args.dtype else None)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -151,6 +160,74 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from griffin.training import TrainConfig, train
+    from griffin.training.config import parse_model_override
+
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                 if f.name != "model" and getattr(args, f.name, None) is not None}
+    model = dict(parse_model_override(item) for item in args.model or [])
+    if args.config:
+        cfg = TrainConfig.from_toml(args.config, **overrides, model=model)
+    else:
+        cfg = TrainConfig(**overrides, model=model)
+    result = train(cfg)
+    print(f"\ntrained {result.step} steps: validation loss {result.val_loss:.4f} nats/token "
+          f"(best {result.best_val_loss:.4f}; unigram baseline {result.unigram_loss:.4f})")
+    print(f"checkpoint: {result.checkpoint}   logs: {result.out / 'log.jsonl'}   plot: {result.out / 'loss.png'}")
+    if result.sample:
+        print(f"sample:\n{_printable(result.sample, final=True)}")
+    return 0
+
+
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, its help taken from the field; unset flags leave the config file's value."""
+    import dataclasses
+    import typing
+
+    from griffin.training import TrainConfig
+
+    defaults = TrainConfig()
+    hints = typing.get_type_hints(TrainConfig)
+    p.add_argument("--config", metavar="TOML", help="a training config file (see configs/); flags override it")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if f.name == "model":
+            p.add_argument(flag, action="append", metavar="KEY=VALUE", help=help_text + " (repeatable)")
+        elif f.name == "resume":
+            p.add_argument(flag, nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+                           help=help_text + " (the flag alone means 'auto')")
+        elif hints[f.name] is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{help_text} (default: {getattr(defaults, f.name)})")
+        else:
+            p.add_argument(flag, type=hints[f.name], default=None, choices=f.metadata.get("choices"),
+                           metavar=None if f.metadata.get("choices") else f.name.upper(),
+                           help=f"{help_text} (default: {getattr(defaults, f.name)!r})")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from griffin.data import prepare
+
+    meta = prepare(args.inputs or None, args.out, args.tokenizer, val_fraction=args.val_fraction, seed=args.seed,
+                   text_field=args.text_field, shard_tokens=args.shard_tokens, dtype=args.dtype)
+    for split, info in meta["splits"].items():
+        print(f"{split}: {info['tokens']:,} tokens in {info['documents']:,} documents")
+    print(f"wrote {args.out} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from griffin.tokenizer import load_tokenizer, train_bpe
+
+    path = train_bpe(args.inputs, args.out, args.vocab_size, text_field=args.text_field)
+    print(f"wrote {path}: {load_tokenizer(path).vocab_size} tokens")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="griffin", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
-    p.add_argument("--tokenizer", default="bytes",
-                   help="'bytes' (byte-level), a tokenizer.json, a SentencePiece .model, or a directory holding one")
+    p.add_argument("--tokenizer", default="auto",
+                   help="'bytes' (byte-level), a tokenizer.json, a SentencePiece .model, or a directory holding one; "
+                        "'auto': the checkpoint directory's tokenizer if it holds one, else bytes")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", help="a text file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -187,6 +265,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-state", help="save the model state after the prompt to this file (a snapshot)")
     p.add_argument("--load-state", help="continue from a saved state instead of an empty context")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train", help="train a model (Section 3); with no options, a small Griffin on the "
+                       "Python standard library's source, on CPU, in a few minutes",
+                       description="Train Hawk, Griffin or the MQA baseline. Every option below is also a key of "
+                       "the TOML config file (--config); flags override the file, the file overrides the defaults.")
+    _add_train_options(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="tokenize text, JSONL or parquet files into memory-mapped shards")
+    p.add_argument("inputs", nargs="*", help="files or directories (none: the Python standard library's source)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", default="bytes", help="'bytes', a tokenizer.json or a SentencePiece .model")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    p.add_argument("--text-field", default="text", help="the text field of JSONL records and parquet tables")
+    p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    p.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
+                   help="token dtype (default: uint16 if the vocabulary fits, else uint32)")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (HF tokenizers) on local files")
+    p.add_argument("inputs", nargs="+", help="text, JSONL or parquet files or directories")
+    p.add_argument("--out", required=True, help="output tokenizer.json")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
+    p.add_argument("--text-field", default="text", help="the text field of JSONL records and parquet tables")
+    p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("bench", help="benchmarks: 'griffin bench inference --help' (Section 5)")
     p.add_argument("suite", choices=("inference",), help="which benchmark")

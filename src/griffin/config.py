@@ -235,6 +235,11 @@ def _build_presets() -> dict[str, ModelConfig]:
             family=family, vocab_size=256, width=64, depth=5, rnn_width=64, num_heads=2, head_dim=32,
             gate_blocks=8, attention_window=512,
         )
+        # CPU training (the README's demo): about a million parameters, D_RNN ~ 4D/3 as in the paper.
+        presets[f"{family}-cpu"] = ModelConfig(
+            family=family, vocab_size=256, width=128, depth=6, rnn_width=192, num_heads=2, head_dim=64,
+            gate_blocks=4, attention_window=128,
+        )
         # Tests: a few thousand parameters and a window small enough for tests to cross.
         presets[f"{family}-tiny"] = ModelConfig(
             family=family, vocab_size=32, width=16, depth=4, rnn_width=24, num_heads=2, head_dim=8,

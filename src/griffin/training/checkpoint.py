@@ -1,0 +1,236 @@
+"""Training checkpoints that resume exactly and survive being killed at any moment.
+
+A checkpoint is a directory ``OUT/checkpoints/step_00000100`` holding
+
+- ``config.json`` + ``model.safetensors``: the model, loadable on its own with ``CausalLM.from_pretrained``;
+- ``optimizer.safetensors``: AdamW's moments and step counts, and the RNG states (no pickle anywhere);
+- ``trainer.json``: step, data-loader position, best validation loss, optimizer hyper-parameters, config;
+- ``tokenizer.json`` or ``tokenizer.model`` when the data has one, so that ``griffin generate CKPT`` finds it;
+- ``manifest.json``, written last: the size and SHA-256 of every other file.
+
+The directory is assembled under a temporary name and renamed into place, so a crash leaves either the old
+state or the new one, never half of one; a checkpoint whose manifest does not match its files (truncated,
+corrupted, or missing a file) is refused with the file named. ``latest`` and ``best`` are symbolic links.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from griffin.checkpoint import CheckpointError, save_pretrained
+from griffin.model import CausalLM
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer.json"
+OPTIMIZER_STATE = "optimizer.safetensors"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def fault_point(point: str, step: int) -> None:
+    """Test hook: ``GRIFFIN_FAULT=point:step`` kills this process with SIGKILL there (to test exact resume)."""
+    if os.environ.get("GRIFFIN_FAULT") == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# Optimizer and RNG state as flat tensors -------------------------------------------------------------
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, slots in state["state"].items():
+        for key, value in slots.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value)
+            tensors[f"state.{index}.{key}"] = value.detach().contiguous().cpu()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
+    return tensors, groups
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    return out
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                       groups: list[dict[str, Any]], source: str) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        if name.startswith("state."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"{source}: optimizer state does not fit this model: {err}") from None
+
+
+# Writing ------------------------------------------------------------------------------------------------
+def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], extra_files: dict[str, Path] | None = None) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically and point ``root/latest`` at it; ``extra_files`` maps
+    names in the checkpoint to files copied in (the tokenizer)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(root, step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_pretrained(model, tmp)
+        fault_point("checkpoint", step)
+        tensors, groups = _optimizer_tensors(optimizer)
+        save_file({**tensors, **_rng_tensors()}, str(tmp / OPTIMIZER_STATE), metadata={"library": "griffin"})
+        state = {**trainer_state, "step": step, "optimizer_param_groups": groups}
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1) + "\n")
+        for name, source in (extra_files or {}).items():
+            shutil.copy2(source, tmp / name)
+        files = {}
+        for path in sorted(tmp.iterdir()):
+            _fsync(path)
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
+        if final.exists():  # the same step written again after a resume: swap, then drop the old one
+            old = root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    set_link(root, "latest", final)
+    return final
+
+
+def set_link(root: Path, name: str, target: Path) -> None:
+    """Point ``root/name`` at ``target`` (a sibling) through an atomically renamed symbolic link."""
+    tmp = root / f".{name}-{os.getpid()}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target.name, tmp)
+    os.replace(tmp, root / name)
+
+
+def prune(root: Path, keep_last: int, keep: tuple[Path, ...] = ()) -> list[Path]:
+    """Remove all but the newest ``keep_last`` checkpoints and those in ``keep``; return what was removed."""
+    steps = list_checkpoints(root)
+    protected = {p.resolve() for p in keep}
+    if keep_last:
+        protected |= {p.resolve() for p in steps[-keep_last:]}
+    removed = []
+    for path in steps:
+        if path.resolve() not in protected:
+            shutil.rmtree(path)
+            removed.append(path)
+    for leftover in root.glob(".tmp-step_*"):  # debris of a run killed while writing
+        shutil.rmtree(leftover, ignore_errors=True)
+    return removed
+
+
+# Reading ------------------------------------------------------------------------------------------------
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint directories under ``root``, oldest first (temporary and partial directories excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check every file against the manifest; raise :class:`CheckpointError` naming the first problem."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} has no {MANIFEST}: it was not completely written")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path} is corrupted: {err}") from None
+    for name, info in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path}: {name} is {size} bytes, the manifest says {info['bytes']} (truncated?)")
+        if _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (corrupted)")
+    return manifest
+
+
+def find_resumable(root: str | Path) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies; broken newer ones are skipped with a warning."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as err:
+            warnings.warn(f"skipping checkpoint {path.name}: {err}", stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Verify ``path``, load model, optimizer and RNG states in place, and return the trainer state."""
+    from griffin.checkpoint import WEIGHTS_NAME, load_state_checked
+
+    path = Path(path)
+    verify_checkpoint(path)
+    try:
+        weights = load_file(str(path / WEIGHTS_NAME))
+        opt = load_file(str(path / OPTIMIZER_STATE))
+        state = json.loads((path / TRAINER_STATE).read_text())
+    except (SafetensorError, json.JSONDecodeError, OSError) as err:
+        raise CheckpointError(f"{path}: unreadable: {err}") from None
+    with torch.no_grad():
+        load_state_checked(model, weights, str(path / WEIGHTS_NAME))
+    _restore_optimizer(optimizer, opt, state.pop("optimizer_param_groups"), str(path))
+    torch.set_rng_state(opt["rng.torch"])
+    cuda = [opt[k] for k in sorted(k for k in opt if k.startswith("rng.cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    return state

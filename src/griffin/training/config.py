@@ -1,0 +1,205 @@
+"""Training configuration: one typed dataclass, read from TOML, overridden from the command line.
+
+Precedence: the defaults below (the README's CPU demo) < a TOML file (``griffin train --config F``) < command-line
+flags. Unknown keys and values of the wrong type are refused before anything runs, with the key named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from griffin.config import PRESETS, ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; each field is also a ``griffin train --flag``."""
+
+    # Model
+    preset: str = _opt("griffin-cpu", "model preset (see `griffin presets`)")
+    model: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "ModelConfig fields overriding the preset, e.g. width=256 depth=8 (TOML: a [model] table); "
+                "vocab_size defaults to the data's tokenizer"})
+    # Data
+    data: str = _opt("", "a dataset prepared by `griffin prepare`, or text/JSONL/parquet files or directories to "
+                         "prepare into OUT/data; empty: the embedded corpus (the Python standard library's source)")
+    tokenizer: str = _opt("bytes", "tokenizer used when the data must be prepared: 'bytes', a tokenizer.json or a "
+                                   "SentencePiece .model")
+    val_fraction: float = _opt(0.02, "fraction of documents held out for validation when preparing data")
+    seq_len: int = _opt(256, "tokens per training sequence (documents are packed; the model resets at each start)")
+    batch_size: int = _opt(16, "sequences per micro-batch")
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    # Optimisation (Section 3: AdamW)
+    lr: float = _opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = _opt(30, "steps of linear warm-up from 0 to the peak learning rate")
+    max_steps: int = _opt(300, "optimizer steps in the whole run (the cosine schedule ends here)")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (never on norms, biases or the RG-LRU decay parameter)")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
+    # Hardware
+    device: str = _opt("auto", "'auto' (CUDA if available), 'cpu', 'cuda', 'cuda:1', ...")
+    precision: str = _opt("auto", "'auto' (bf16 autocast where supported on CUDA, else fp32), 'fp32' or 'bf16'",
+                          choices=("auto", "fp32", "bf16"))
+    compile: bool = _opt(False, "torch.compile the model")
+    threads: int = _opt(0, "CPU threads for torch (0: torch's default)")
+    # Evaluation, logging, checkpoints
+    eval_interval: int = _opt(50, "evaluate on the validation split every N steps (and at the end)")
+    eval_batches: int = _opt(8, "validation batches per evaluation (fixed, the same each time)")
+    log_interval: int = _opt(10, "write a training-loss record every N steps")
+    ckpt_interval: int = _opt(100, "write a checkpoint every N steps (and at the end)")
+    keep_last: int = _opt(2, "checkpoints kept besides the best one")
+    out: str = _opt("runs/griffin-cpu", "output directory: checkpoints, logs, TensorBoard events, plots")
+    resume: str = _opt("", "'auto': continue from the newest valid checkpoint in OUT; or a checkpoint directory")
+    seed: int = _opt(0, "seed of the initialisation, the data order and the sample")
+    on_nan: str = _opt("stop", "on a non-finite loss or gradient: 'stop' (raise) or 'skip' the update",
+                       choices=("stop", "skip"))
+    max_skips: int = _opt(5, "with on_nan='skip': stop after this many consecutive skipped steps")
+    tensorboard: bool = _opt(True, "write TensorBoard events to OUT/tensorboard")
+    progress: bool = _opt(True, "show a progress bar")
+    # The sample printed at the end
+    sample_prompt: str = _opt("def ", "prompt of the sample generated at the end ('' for none)")
+    sample_tokens: int = _opt(200, "tokens sampled at the end (0: no sample)")
+    sample_temperature: float = _opt(0.8, "temperature of the final sample")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # Validation ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise a ValueError naming the first field whose value cannot run."""
+        for f in dataclasses.fields(self):
+            check_type(f"{f.name}", getattr(self, f.name), _field_types()[f.name])
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be one of {choices}")
+            if _field_types()[f.name] is float:
+                setattr(self, f.name, float(getattr(self, f.name)))
+        positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches",
+                    "log_interval", "ckpt_interval", "max_skips")
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
+        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+        for key in ("min_lr_ratio", "beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"{key}={getattr(self, key)} must lie in [0, 1]")
+        for key in ("weight_decay", "grad_clip", "adam_eps", "sample_temperature"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction={self.val_fraction} must lie in (0, 1)")
+        if self.preset not in PRESETS:
+            close = difflib.get_close_matches(self.preset, PRESETS, n=3)
+            raise ValueError(f"unknown preset {self.preset!r}" + (f"; did you mean {close}?" if close else
+                                                                  "; see `griffin presets`"))
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        for key in self.model:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=3)
+                raise ValueError(f"unknown model key {key!r}" + (f"; did you mean {close}?" if close else ""))
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The preset with the [model] overrides; vocab_size follows the data unless set explicitly."""
+        overrides = dict(self.model)
+        if vocab_size is not None and "vocab_size" not in overrides:
+            overrides["vocab_size"] = vocab_size
+        for key in ("block_types", "a_init_range"):
+            if key in overrides:
+                overrides[key] = tuple(overrides[key])
+        if ("depth" in overrides or "family" in overrides) and "block_types" not in overrides:
+            overrides["block_types"] = None  # re-derived from the family's pattern for the new depth
+        return ModelConfig.from_preset(self.preset, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # Construction -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> TrainConfig:
+        """Build from a mapping, refusing unknown keys (with suggestions) before anything else."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=3)
+                hint = f"; did you mean {close}?" if close else f"; valid keys: {', '.join(names)}"
+                raise ValueError(f"{source}: unknown key {key!r}{hint}")
+        return cls(**data)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no training config at {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: not valid TOML: {err}") from None
+        model = {**data.pop("model", {}), **overrides.pop("model", {})}
+        return cls.from_dict({**data, **overrides, "model": model}, source=str(path))
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def check_type(name: str, value: Any, expected: Any) -> None:
+    """Raise a TypeError naming ``name`` unless ``value`` matches the annotation ``expected``."""
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(expected):
+            try:
+                check_type(name, value, option)
+                return
+            except TypeError:
+                pass
+        raise TypeError(f"{name}={value!r} must be {expected}, got {type(value).__name__}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a table/dict, got {type(value).__name__}")
+        return
+    if expected is type(None):
+        ok = value is None
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, expected)
+    if not ok:
+        raise TypeError(f"{name}={value!r} must be of type {expected.__name__}, got {type(value).__name__}")
+
+
+def parse_model_override(text: str) -> tuple[str, Any]:
+    """``key=value`` with the value read as TOML (``width=256``, ``block_types=["recurrent","attention"]``),
+    falling back to a bare string (``family=hawk``)."""
+    if "=" not in text:
+        raise ValueError(f"--model expects KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value

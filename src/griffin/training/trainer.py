@@ -1,0 +1,481 @@
+"""The training loop (Section 3): AdamW, linear warm-up then cosine decay, clipping, accumulation, bf16 autocast.
+
+``train(TrainConfig(...))`` prepares the data if needed, builds the model, trains, evaluates on held-out data,
+writes checkpoints that resume exactly (see :mod:`griffin.training.checkpoint`), logs JSON lines and TensorBoard
+events, plots the loss curves and prints a sample. ``griffin train`` is its command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from griffin.checkpoint import CheckpointError
+from griffin.model import CausalLM
+from griffin.training.checkpoint import (
+    fault_point,
+    find_resumable,
+    load_checkpoint,
+    prune,
+    save_checkpoint,
+    set_link,
+    step_dir,
+)
+from griffin.training.config import TrainConfig
+from griffin.training.distributed import init_distributed
+
+IGNORE = -100
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss, for instance); the last checkpoint on disk is intact."""
+
+
+# Pieces -----------------------------------------------------------------------------------------------------
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def no_weight_decay(name: str, param: Tensor) -> bool:
+    """Norm scales, biases and the RG-LRU decay parameter Λ are not decayed."""
+    leaf = name.rsplit(".", 1)[-1]
+    return param.ndim < 2 or leaf in ("b", "bias", "a_param", "theta") or "norm" in name
+
+
+def build_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (plain if no_weight_decay(name, param) else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    fused = {"fused": True} if next(model.parameters()).device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused)
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of update ``step`` (0-based): linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    low = cfg.lr * cfg.min_lr_ratio
+    return low + 0.5 * (cfg.lr - low) * (1.0 + math.cos(math.pi * progress))
+
+
+def prepare_data(cfg: TrainConfig, out: Path) -> Path:
+    """The prepared dataset to train on: ``cfg.data`` itself if it is one, else prepared into ``OUT/data`` (and
+    reused from there while the sources, tokenizer, split fraction and seed are unchanged)."""
+    import sysconfig
+
+    from griffin.data import load_meta, prepare
+
+    if cfg.data and (Path(cfg.data) / "meta.json").is_file():
+        return Path(cfg.data)
+    sources = [str(Path(p).resolve()) for p in cfg.data.split(",")] if cfg.data else None
+    for source in sources or []:
+        if not Path(source).exists():
+            raise FileNotFoundError(f"data={source!r} does not exist")
+    target = out / "data"
+    tokenizer = "bytes" if cfg.tokenizer == "bytes" else Path(cfg.tokenizer).name
+    if (target / "meta.json").is_file():
+        meta = load_meta(target)
+        wanted = sources or [sysconfig.get_paths()["stdlib"]]
+        if (meta["sources"], meta["tokenizer"], meta["val_fraction"], meta["seed"]) == \
+                (wanted, tokenizer, cfg.val_fraction, cfg.seed):
+            return target
+    prepare(sources, target, cfg.tokenizer, val_fraction=cfg.val_fraction, seed=cfg.seed, progress=cfg.progress)
+    return target
+
+
+class JsonLog:
+    """Append-only JSON-lines log; on resume, records after the checkpoint's step are dropped (they are redone)."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        if resume_step is None:
+            path.write_text("")
+        elif path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class TrainResult:
+    step: int
+    val_loss: float
+    best_val_loss: float
+    unigram_loss: float
+    tokens_per_s: float
+    out: Path
+    checkpoint: Path
+    sample: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+# The trainer ------------------------------------------------------------------------------------------------
+class Trainer:
+    """Owns model, optimizer, data and logs of one run; :meth:`run` trains until ``max_steps``."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from griffin.data import PackedLoader, eval_batches, load_dataset_tokenizer, load_meta, unigram_loss
+        from griffin.flops import peak_flops, training_flops_per_token
+
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.ckpt_root = self.out / "checkpoints"
+        self.dist, device = init_distributed(cfg.device)
+        self.device = resolve_device(device)
+        self.autocast = resolve_precision(cfg.precision, self.device)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+
+        # Data first: every bad input is refused before a model is built. Rank 0 prepares, the others reuse.
+        if self.dist.is_main:
+            self.data_dir = prepare_data(cfg, self.out)
+        self.dist.barrier()
+        if not self.dist.is_main:
+            self.data_dir = prepare_data(cfg, self.out)
+        self.meta = load_meta(self.data_dir)
+        self.model_config = cfg.model_config(self.meta["vocab_size"])
+        if self.model_config.vocab_size < self.meta["vocab_size"]:
+            raise ValueError(f"model vocab_size={self.model_config.vocab_size} is smaller than the data's "
+                             f"tokenizer ({self.meta['vocab_size']} tokens)")
+        rank, world = self.dist.rank, self.dist.world_size
+        self.loader = PackedLoader(self.data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=rank,
+                                   world_size=world)
+        val = eval_batches(self.data_dir, "val", cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+        self.val_batches = val[rank::world]
+        self.unigram = unigram_loss(self.data_dir)
+        tok = self.meta["tokenizer"]
+        self.tokenizer_file = None if tok == "bytes" else self.data_dir / tok
+        self.tokenizer = load_dataset_tokenizer(self.data_dir)
+
+        torch.manual_seed(cfg.seed)
+        self.model = CausalLM(self.model_config).to(self.device)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.ddp = None
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+        wrapped = self.ddp or self.model
+        self.forward = torch.compile(wrapped) if cfg.compile else wrapped
+        self.flops_per_token = training_flops_per_token(self.model_config, cfg.seq_len)
+        self.peak_flops, self.peak_source = peak_flops(self.device, self.autocast or torch.float32)
+
+        self.step = 0
+        self.tokens = 0
+        self.best_val = math.inf
+        self.best_step: int | None = None
+        self.skipped = 0
+        resume_from = self._resume_path()
+        if resume_from is not None:
+            state = load_checkpoint(resume_from, self.model, self.optimizer)
+            self._check_resumable(state, resume_from)
+            self.step, self.tokens = state["step"], state["tokens"]
+            self.best_val, self.best_step = state["best_val_loss"], state["best_step"]
+            self.loader.load_state_dict(state["loader"])
+        self.resumed_from = resume_from
+        self.log = JsonLog(self.out / "log.jsonl", self.step if resume_from else None) if self.dist.is_main else None
+        self.writer = self._tensorboard() if self.dist.is_main else None
+        self._bar = None
+
+    # Resume --------------------------------------------------------------------------------------------------
+    def _resume_path(self) -> Path | None:
+        if not self.cfg.resume:
+            return None
+        if self.cfg.resume == "auto":
+            return find_resumable(self.ckpt_root)
+        return Path(self.cfg.resume)
+
+    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
+        saved = state.get("config", {})
+        for key in ("seq_len", "batch_size", "grad_accum", "seed"):
+            if key in saved and saved[key] != getattr(self.cfg, key):
+                raise CheckpointError(f"cannot resume from {path}: it was trained with {key}={saved[key]}, "
+                                      f"this run has {key}={getattr(self.cfg, key)}")
+
+    def _tensorboard(self):
+        if not self.cfg.tensorboard:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # pragma: no cover - tensorboard is a dependency
+            return None
+        return SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1 if self.resumed_from else None)
+
+    # Steps ---------------------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _loss_sum(self, batch) -> tuple[Tensor, Tensor]:
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        positions = batch.positions.to(self.device, non_blocking=True)
+        targets = batch.targets.to(self.device, non_blocking=True)
+        with self._autocast():
+            logits = self.forward(ids, positions)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        return loss, (targets != IGNORE).sum()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer update over ``grad_accum`` micro-batches; the loss is the mean over all their targets."""
+        cfg = self.cfg
+        batches = [next(self.loader) for _ in range(cfg.grad_accum)]
+        local = sum(int((b.targets != IGNORE).sum()) for b in batches)
+        count = max(int(self.dist.sum(torch.tensor(local, device=self.device))), 1)
+        # DDP averages gradients over ranks, so each rank scales its sum by world_size / (targets on all ranks).
+        scale = self.dist.world_size / count
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            sync = self.ddp is None or i == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss, _ = self._loss_sum(batch)
+                (loss * scale).backward()
+            total += loss.detach()
+        loss = self.dist.sum(total) / count
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        lr = learning_rate(self.step, cfg)
+        loss_value, norm_value = float(loss), float(grad_norm)
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.skipped = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            self._non_finite(loss_value, norm_value)
+        self.step += 1
+        self.tokens += sum(b.input_ids.numel() for b in batches) * self.dist.world_size
+        return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "skipped": not finite}
+
+    def _non_finite(self, loss: float, norm: float) -> None:
+        where = f"step {self.step + 1}: loss={loss}, gradient norm={norm}"
+        last = find_resumable(self.ckpt_root)
+        if self.cfg.on_nan == "stop":
+            raise TrainingError(f"non-finite {where}; stopped before updating the weights. The last checkpoint "
+                                f"({last or 'none'}) is intact; lower the learning rate or use --on-nan skip.")
+        self.skipped += 1
+        if self.skipped > self.cfg.max_skips:
+            raise TrainingError(f"non-finite {where}: {self.skipped} consecutive updates skipped "
+                                f"(max_skips={self.cfg.max_skips}); the last checkpoint ({last or 'none'}) is intact.")
+        self._print(f"warning: non-finite {where}; update skipped ({self.skipped} in a row)")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss per target token over the fixed validation batches."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self.val_batches:
+            loss, n = self._loss_sum(batch)
+            sums += torch.stack([loss.double(), n.double()])
+        self.model.train()
+        total, count = self.dist.sum(sums).tolist()
+        return total / max(count, 1.0)
+
+    # Checkpoints ---------------------------------------------------------------------------------------------
+    def save(self, val_loss: float) -> Path:
+        if val_loss < self.best_val:
+            self.best_val, self.best_step = val_loss, self.step
+        state = {"tokens": self.tokens, "val_loss": val_loss, "best_val_loss": self.best_val,
+                 "best_step": self.best_step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
+                 "data": str(self.data_dir), "tokenizer": self.meta["tokenizer"]}
+        extra = {}
+        if self.tokenizer_file is not None:
+            name = "tokenizer.model" if self.tokenizer_file.suffix == ".model" else "tokenizer.json"
+            extra[name] = self.tokenizer_file
+        path = step_dir(self.ckpt_root, self.step)
+        if self.dist.is_main:  # every rank holds the same weights and optimizer state
+            save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra)
+            best = step_dir(self.ckpt_root, self.best_step)
+            if best.is_dir():
+                set_link(self.ckpt_root, "best", best)
+            prune(self.ckpt_root, self.cfg.keep_last, keep=(best,) if best.is_dir() else ())
+        self.dist.barrier()
+        return path
+
+    # The loop ------------------------------------------------------------------------------------------------
+    def _print(self, text: str) -> None:
+        if not self.dist.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def _record(self, kind: str, **values: Any) -> None:
+        if self.log is None:
+            return
+        self.log.write({"kind": kind, "step": self.step, **values})
+        if self.writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"{kind}/{key}", value, self.step)
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        n_params = self.model.num_parameters()
+        self._print(f"griffin train: {self.model_config.family} {n_params:,} parameters "
+                    f"({self.model_config.depth} blocks, width {self.model_config.width}) on {self.device}"
+                    f"{', bf16 autocast' if self.autocast else ', fp32'}; data {self.data_dir} "
+                    f"({self.meta['splits']['train']['tokens']:,} train tokens, vocab {self.meta['vocab_size']}); "
+                    f"unigram baseline {self.unigram:.3f} nats/token; {self.flops_per_token / 1e6:.1f} MFLOPs per "
+                    f"training token, MFU against {self.peak_flops / 1e9:,.0f} GFLOP/s ({self.peak_source})")
+        if self.dist.enabled:
+            self._print(f"data parallel over {self.dist.world_size} processes ({cfg.batch_size} sequences each)")
+        if self.resumed_from:
+            self._print(f"resumed from {self.resumed_from} at step {self.step}")
+        self._record("start", parameters=n_params, device=str(self.device), flops_per_token=self.flops_per_token,
+                     peak_flops=self.peak_flops, peak_source=self.peak_source, unigram_loss=self.unigram,
+                     config=cfg.to_dict())
+        val_loss = math.nan
+        last_ckpt = None
+        rate = 0.0
+        bar = _progress(cfg, self.step) if self.dist.is_main else None
+        self._bar = bar
+        try:
+            if self.step == 0:  # the starting point of the validation curve
+                val_loss = self.evaluate()
+                self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+            window_start, window_tokens = time.perf_counter(), self.tokens
+            while self.step < cfg.max_steps:
+                metrics = self.train_step()
+                fault_point("step", self.step)
+                elapsed = time.perf_counter() - window_start
+                rate = (self.tokens - window_tokens) / max(elapsed, 1e-9)
+                if bar is not None:
+                    bar.update(1)
+                    shown = {"loss": f"{metrics['loss']:.3f}", "tok/s": f"{rate:,.0f}"}
+                    if not math.isnan(val_loss):
+                        shown["val"] = f"{val_loss:.3f}"
+                    bar.set_postfix(shown)
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                    mfu = rate * self.flops_per_token / self.peak_flops
+                    self._record("train", loss=metrics["loss"], lr=metrics["lr"], grad_norm=metrics["grad_norm"],
+                                 tokens=self.tokens, tokens_per_s=rate, mfu=mfu)
+                    window_start, window_tokens = time.perf_counter(), self.tokens
+                is_ckpt = self.step % cfg.ckpt_interval == 0 or self.step == cfg.max_steps
+                if self.step % cfg.eval_interval == 0 or is_ckpt:
+                    val_loss = self.evaluate()
+                    self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+                    mfu = rate * self.flops_per_token / self.peak_flops
+                    self._print(f"step {self.step:>6}: val loss {val_loss:.4f} (unigram {self.unigram:.4f}), "
+                                f"train loss {metrics['loss']:.4f}, {rate:,.0f} tokens/s, MFU {mfu:.1%}")
+                if is_ckpt:
+                    last_ckpt = self.save(val_loss)
+                    window_start, window_tokens = time.perf_counter(), self.tokens
+        finally:
+            if bar is not None:
+                bar.close()
+            self._bar = None
+            if self.writer is not None:
+                self.writer.close()
+        if last_ckpt is None:  # nothing left to do: resumed at max_steps
+            last_ckpt = find_resumable(self.ckpt_root)
+            val_loss = self.evaluate()
+        history, sample = [], ""
+        if self.dist.is_main:
+            history = self.log.records()
+            plot_losses(history, self.unigram, self.out / "loss.png")
+            sample = self.sample()
+            self._record("end", val_loss=val_loss, best_val_loss=self.best_val, sample=sample)
+        return TrainResult(self.step, val_loss, self.best_val, self.unigram, rate, self.out, last_ckpt, sample,
+                           history)
+
+    def sample(self) -> str:
+        """A continuation of ``sample_prompt`` from the trained model (seeded, so it is reproducible)."""
+        if not self.cfg.sample_tokens or not self.cfg.sample_prompt:
+            return ""
+        tokenizer = self.tokenizer
+        ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(self.cfg.sample_prompt)
+        self.model.eval()
+        out = self.model.generate(torch.tensor([ids], device=self.device), self.cfg.sample_tokens,
+                                  temperature=self.cfg.sample_temperature, seed=self.cfg.seed,
+                                  stop_tokens=[tokenizer.eos_id] if tokenizer.eos_id is not None else ())
+        self.model.train()
+        text = self.cfg.sample_prompt + tokenizer.decode(out[0])
+        (self.out / "sample.txt").write_text(text.encode("utf-8", "replace").decode("utf-8"))
+        return text
+
+
+def _progress(cfg: TrainConfig, initial: int):
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.max_steps, initial=initial, unit="step", dynamic_ncols=True, desc="train")
+
+
+def plot_losses(history: list[dict[str, Any]], unigram: float, path: Path) -> None:
+    """Training and validation loss against tokens seen, with the unigram baseline (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["tokens"], r["loss"]) for r in history if r["kind"] == "train"]
+    tokens_at = {r["step"]: r["tokens"] for r in history if r["kind"] == "train"}
+    tokens_at[0] = 0
+    val = [(tokens_at.get(r["step"], math.nan), r["val_loss"]) for r in history if r["kind"] == "eval"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train", lw=1.0, alpha=0.8)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation", lw=1.5, ms=3)
+    ax.axhline(unigram, ls="--", color="gray", label=f"unigram baseline ({unigram:.2f})")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (nats / token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) the training run described by ``cfg``."""
+    return Trainer(cfg).run()
+
