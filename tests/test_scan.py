@@ -319,3 +319,21 @@ def test_default_backend(monkeypatch):
 def test_bad_inputs_raise_naming_the_value(a, b, h0, reset, error, match):
     with pytest.raises(error, match=match):
         fast(a, b, h0, reset)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("steps", [1, 2, 3, 17, 64, 129])
+@pytest.mark.parametrize(("resets", "with_h0"), [("none", False), ("random", True), ("first", True)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_id)
+def test_associative_scan_matches_reference(gen, seed, steps, resets, with_h0, dtype):
+    """The associative scan (the paper's Figure 9 baseline): values and gradients of the float64 reference."""
+    a, b, h0, reset = make_inputs(seed + int(gen.seed()) % 1000, (2, steps, 5), dtype, resets, with_h0)
+    g = torch.randn(a.shape, dtype=torch.float64)
+    g_last = torch.randn(a.shape[0], a.shape[2], dtype=torch.float64)
+    got = scan_and_grads(scan.linear_scan_assoc, a, b, h0, reset, g, g_last)
+    truth = scan_and_grads(linear_scan_ref, a, b, h0, reset, g, g_last, torch.float64)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert got.keys() == truth.keys()
+    for name, value in got.items():
+        torch.testing.assert_close(value.double(), truth[name], rtol=tol, atol=tol, msg=name)
+    assert linear_scan(a, b, h0, reset, backend="assoc")[0].dtype == dtype

@@ -1,7 +1,9 @@
 """The linear scan h_t = a_t * h_{t-1} + b_t (paper, Section 2.4, eq. 4 and Section 4.2).
 
 One operator, :func:`linear_scan`, is the single place where fast implementations plug in.
-:func:`linear_scan_ref` is the plain, readable reference every fast path is tested against.
+:func:`linear_scan_ref` is the plain, readable reference every fast path is tested against;
+:func:`linear_scan_assoc` is the associative (parallel prefix) scan the paper compares against (Appendix,
+Figure 9): log2(T) whole-sequence steps, O(T log T) work, any device.
 
 Conventions (shared by every backend):
   a, b:   (B, T, D) tensors of the same dtype.
@@ -20,7 +22,7 @@ import os
 import torch
 from torch import Tensor
 
-BACKENDS = ("ref", "cpu")
+BACKENDS = ("ref", "cpu", "assoc")
 _ENV_VAR = "GRIFFIN_SCAN_BACKEND"
 
 
@@ -71,6 +73,29 @@ def linear_scan_ref(
     return torch.stack(hs, dim=1).to(b.dtype), h
 
 
+def linear_scan_assoc(
+    a: Tensor, b: Tensor, h0: Tensor | None = None, reset: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Associative scan (Hillis-Steele): the pairs (a_t, b_t) compose as (a, b) o (a', b') = (a a', a b' + b),
+    so after the steps d = 1, 2, 4, ... each position holds the composition of everything up to it."""
+    check_scan_inputs(a, b, h0, reset)
+    acc = accumulation_dtype(a.dtype)
+    out_dtype, T = b.dtype, a.shape[1]
+    a, b = a.to(acc), b.to(acc)
+    if reset is not None:
+        a = a * ~reset[..., None]
+    if T == 0:
+        return b.to(out_dtype), b.new_zeros(b.shape[0], b.shape[2]) if h0 is None else h0.to(acc)
+    h0 = b.new_zeros(b.shape[0], b.shape[2]) if h0 is None else h0.to(acc)
+    b = torch.cat([a[:, :1] * h0[:, None] + b[:, :1], b[:, 1:]], dim=1)  # fold the initial state in
+    d = 1
+    while d < T:
+        b = torch.cat([b[:, :d], a[:, d:] * b[:, :-d] + b[:, d:]], dim=1)
+        a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], dim=1)
+        d *= 2
+    return b.to(out_dtype), b[:, -1]
+
+
 def default_backend(a: Tensor) -> str:
     """The backend used when none is asked for: $GRIFFIN_SCAN_BACKEND, else the fastest available.
 
@@ -101,6 +126,8 @@ def linear_scan(
     backend = backend or default_backend(a)
     if backend == "ref":
         return linear_scan_ref(a, b, h0, reset)
+    if backend == "assoc":
+        return linear_scan_assoc(a, b, h0, reset)
     if backend == "cpu":
         from griffin.ops.scan_cpu import linear_scan_cpu  # numba is imported on first use only
 
