@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -56,3 +58,21 @@ def test_generate_command(tmp_path, gen, capsys):
     assert capsys.readouterr().out.count("-" * 40) == 2
     assert main([*base, "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p=0.0" in capsys.readouterr().err
+
+
+def test_tokenizer_and_prepare_commands(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "griffin hawk local attention " * (20 + i))
+    (corpus / "more.jsonl").write_text('{"text": "a record"}\n{"text": "another record"}\n')
+    assert main(["tokenizer", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "tok.json")]) == 0
+    assert "tok.json" in capsys.readouterr().out
+    assert main(["prepare", str(corpus), "--tokenizer", str(tmp_path / "tok.json"), "--out", str(tmp_path / "data"),
+                 "--val-fraction", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "train:" in out and "val:" in out and "8 documents" not in out  # split 6 + 2 documents
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 8
+    assert main(["prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "d2")]) == 2
+    assert "missing" in capsys.readouterr().err
