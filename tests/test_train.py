@@ -329,3 +329,12 @@ def test_data_parallel_over_two_processes_matches_one(dataset, tmp_path):
     b = CausalLM.from_pretrained(tmp_path / "two" / "checkpoints" / "latest")
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(dataset, tmp_path):
+    eager = train(tiny(dataset, tmp_path / "eager", max_steps=3, ckpt_interval=3))
+    compiled = train(tiny(dataset, tmp_path / "compiled", max_steps=3, ckpt_interval=3, compile=True))
+    ref, got = losses(eager.out), losses(compiled.out)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step

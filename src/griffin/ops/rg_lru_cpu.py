@@ -139,6 +139,7 @@ class _RGLRUCPU(torch.autograd.Function):
                 None if ctx.h0_dtype is None else dh0.to(ctx.h0_dtype), None)
 
 
+@torch.compiler.disable  # numba dispatchers cannot be traced by dynamo: run eagerly inside compiled models
 def rg_lru_cpu(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: float = 8.0,
                h0: Tensor | None = None, reset: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The fused RG-LRU on CPU tensors; same contract as :func:`griffin.ops.rg_lru.rg_lru_ref`."""

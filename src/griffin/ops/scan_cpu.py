@@ -258,6 +258,7 @@ class _LinearScanCPU(torch.autograd.Function):
         )
 
 
+@torch.compiler.disable  # numba dispatchers cannot be traced by dynamo: run eagerly inside compiled models
 def linear_scan_cpu(
     a: Tensor, b: Tensor, h0: Tensor | None = None, reset: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
