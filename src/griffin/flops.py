@@ -185,14 +185,16 @@ def _measured_peak(device: str, dtype: torch.dtype, size: int, budget_s: float) 
     return 2.0 * size**3 / best
 
 
-def peak_flops(device: torch.device | str, dtype: torch.dtype, *, budget_s: float = 0.25) -> tuple[float, str]:
+def peak_flops(device: torch.device | str, dtype: torch.dtype, *, budget_s: float = 0.25,
+               refresh: bool = False) -> tuple[float, str]:
     """The peak FLOP/s to measure utilization against, and where it comes from.
 
     Known NVIDIA GPUs: the data sheet's dense peak (``"table: NVIDIA H100 SXM bf16 dense"``; float32 counts as tf32
     when PyTorch lets matmuls use it). Anything else (CPUs, unknown GPUs): the best rate of repeated square matmuls
     in ``dtype`` (1024 on CPU, 4096 on GPU) for about ``budget_s`` seconds after a warm-up, e.g.
-    ``"measured: 1024^3 fp32 matmul"``; cached per device and dtype. That is an achievable rate, not a data-sheet
-    peak, so utilization against it reads higher.
+    ``"measured: 1024^3 fp32 matmul"``; cached per device and dtype unless ``refresh``. That is an achievable rate,
+    not a data-sheet peak, so utilization against it reads higher; on a shared machine it is also only as good as
+    the moment it was measured at.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -203,6 +205,8 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, *, budget_s: floa
         if known is not None:
             return known
     size = 1024 if device.type == "cpu" else 4096
+    if refresh:
+        _measured_peak.cache_clear()
     rate = _measured_peak(str(device), dtype, size, budget_s)
     return rate, f"measured: {size}^3 {_dtype_name(dtype)} matmul"
 
