@@ -11,6 +11,11 @@ import types
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on CPU. It must be set before anything imports triton, and
+    # torch.compile (test_compile, the numba ops' torch.compiler.disable) imports it early.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def import_official_torch():
     """``recurrentgemma.torch`` without running ``recurrentgemma/__init__`` (which imports JAX)."""

@@ -7,7 +7,8 @@ import torch
 
 from griffin import CausalLM, ModelConfig
 from griffin.cache import Cache, cache_bytes
-from griffin.generate import prefill, sample
+from griffin.generate import Decoder, prefill, sample
+from griffin.layers.linear import PrepackedLinear, can_prepack
 from tests.conftest import perturb_
 
 FAMILIES = ["mqa", "hawk", "griffin"]
@@ -180,3 +181,151 @@ def test_prompt_longer_than_global_cache(gen):
         model.generate([[4, 5]], 3, cache=cache)
     with pytest.raises(ValueError, match="longer than max_length=2"):
         prefill(model, [[1, 2, 3]], max_length=2)
+
+
+# The decode path (Decoder / CausalLM.decode_step) against the generic forward-with-cache path -----------------
+def decode_both_ways(model, prompts, steps, gen, max_length=None, prepack=False):
+    """Prefill ``prompts``, then feed the same random tokens through ``model(tokens[:, None], cache=...)`` and
+    through a :class:`Decoder` on a copy of the cache. Returns both logits (steps, B, V) and both caches."""
+    _, cache = prefill(model, prompts, max_length=max_length, chunk_size=4)
+    copy = cache.copy()
+    decoder = Decoder(model, copy, prepack=prepack)
+    generic, fast = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, model.config.vocab_size, (len(prompts),), generator=gen)
+        generic.append(model(tokens[:, None], cache=cache)[:, -1])
+        fast.append(decoder(tokens))
+    return torch.stack(generic), torch.stack(fast), cache, copy
+
+
+def assert_same_cache(a: Cache, b: Cache) -> None:
+    assert a.step == b.step
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", [{}, {"complex_lru": True}, {"attention_document_mask": False},
+                                     {"num_kv_heads": 2, "conv1d_document_reset": False}])
+@torch.no_grad()
+def test_decoder_is_bitwise_the_forward_path(gen, family, dtype, variant):
+    """Same logits and same cache, bit for bit: the decode step does the arithmetic of forward at T = 1."""
+    model = tiny(family, gen, **variant).to(dtype)
+    batch = int(torch.randint(1, 4, (1,), generator=gen)) * 2 - 1  # 1, 3 or 5 rows
+    lengths = torch.randint(1, 12, (batch,), generator=gen).tolist()  # mixed, some past the window (6)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in lengths]
+    generic, fast, cache, copy = decode_both_ways(model, prompts, 15, gen, max_length=max(lengths) + 15)
+    assert fast.dtype == dtype and fast.shape == (15, batch, 32)
+    assert torch.equal(generic, fast)
+    assert_same_cache(cache, copy)
+
+
+@pytest.mark.skipif(not can_prepack(torch.zeros(1, 1)), reason="PyTorch without oneDNN")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_prepacked_decoder_is_the_forward_path_up_to_rounding(gen, family, dtype):
+    """The default CPU decoder: oneDNN matmuls from prepacked weights, the rest as above."""
+    model = tiny(family, gen).to(dtype)
+    batch = int(torch.randint(1, 4, (1,), generator=gen)) * 2 - 1
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist()
+               for n in torch.randint(1, 12, (batch,), generator=gen).tolist()]
+    generic, fast, cache, copy = decode_both_ways(model, prompts, 15, gen, max_length=30, prepack=True)
+    assert isinstance(Decoder(model, copy).linear, PrepackedLinear)  # the default on CPU
+    tol = 2e-5 if dtype == torch.float32 else 3e-2  # float32: a few 1e-6 after 15 steps; bfloat16: an ulp or two
+    torch.testing.assert_close(fast, generic, atol=tol, rtol=tol)
+    for name, t in cache.tensors().items():
+        torch.testing.assert_close(copy.tensors()[name], t, atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_decoder_equals_full_forward(gen, family):
+    model = tiny(family, gen)
+    ids = torch.randint(0, 32, (3, 30), generator=gen)
+    full = model(ids)
+    logits, cache = prefill(model, ids[:, :4], max_length=30)
+    decoder = Decoder(model, cache)
+    steps = [logits] + [decoder(ids[:, t]) for t in range(4, 29)]  # wraps the ring buffer (window 6) 4 times
+    assert (torch.stack(steps, 1) - full[:, 3:29]).abs().max() <= 1e-4
+    assert cache.step == 29 and cache.position.tolist() == [29] * 3
+
+
+@torch.no_grad()
+def test_decoder_updates_the_cache_in_place_and_snapshots_stay_intact(gen, tmp_path):
+    model = tiny("griffin", gen)
+    _, cache = prefill(model, torch.randint(0, 32, (2, 9), generator=gen))
+    storage = {k: v.data_ptr() for k, v in cache.tensors().items()}
+    snapshot = cache.copy()
+    before = {k: v.clone() for k, v in snapshot.tensors().items()}
+    decoder = Decoder(model, cache, prepack=False)
+    tokens = torch.randint(0, 32, (2, 8), generator=gen)
+    for t in range(4):
+        decoder(tokens[:, t])
+    assert {k: v.data_ptr() for k, v in cache.tensors().items()} == storage  # updated in place
+    assert all(torch.equal(v, before[k]) for k, v in snapshot.tensors().items())  # the copy did not move
+    # save / load / fork mid-decode, then continue: every continuation is the same
+    cache.save(tmp_path / "mid.safetensors")
+    restored = Cache.load(tmp_path / "mid.safetensors", model.config)
+    forked = cache.fork(3, row=1)
+    outs = [Decoder(model, c, prepack=False) for c in (cache, restored, forked)]
+    for t in range(4, 8):
+        a, b, c = (d(tokens[:, t] if i < 2 else tokens[1:, t].expand(3)) for i, d in enumerate(outs))
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, a[1:].expand(3, -1), atol=1e-5, rtol=1e-5)  # other batch, other tiling
+    # the snapshot replayed through the generic path gives what the decoder gave
+    for t in range(8):
+        expected = model(tokens[:, t : t + 1], cache=snapshot)[:, -1]
+    assert torch.equal(expected, a)
+
+
+@torch.no_grad()
+def test_decoder_follows_a_cache_advanced_by_forward(gen):
+    """Mixing decoder steps with chunks through forward: the decoder re-derives its device state."""
+    model = tiny("griffin", gen)
+    ids = torch.randint(0, 32, (2, 26), generator=gen)
+    full = model(ids)
+    _, cache = prefill(model, ids[:, :3])
+    decoder = Decoder(model, cache)
+    out = [decoder(ids[:, 3]), model(ids[:, 4:11], cache=cache)[:, -1], decoder(ids[:, 11])]
+    expected = full[:, [3, 10, 11]]
+    assert (torch.stack(out, 1) - expected).abs().max() <= 1e-4
+
+
+def test_decoder_checks_once(gen):
+    model = tiny("mqa", gen)
+    with pytest.raises(ValueError, match="prefill at least one token per row"):
+        Decoder(model, model.init_cache(2, 10))
+    _, cache = prefill(model, [[1, 2], [3, 4]], max_length=3)
+    decoder = Decoder(model, cache)
+    with pytest.raises(ValueError, match=r"must be a \(2,\) int64 tensor"):
+        decoder(torch.tensor([1, 2, 3]))
+    decoder(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="KV cache holds 3 tokens, all used"):
+        decoder(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="different model config"):
+        Decoder(tiny("griffin", gen), cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_compiled_decoder_matches_eager(gen, family):
+    """``compile=True`` (torch.compile of the decode step): the same tokens, logits within 1e-5."""
+    model = tiny(family, gen)
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (2, 9, 5)]
+    logits, eager_cache = prefill(model, prompts, max_length=40)
+    compiled_cache = eager_cache.copy()
+    eager, compiled = Decoder(model, eager_cache, prepack=False), Decoder(model, compiled_cache, compile=True)
+    for _ in range(20):
+        tokens = logits.argmax(-1)
+        logits = eager(tokens)
+        assert (compiled(tokens) - logits).abs().max() <= 1e-5
+    assert eager_cache.step == compiled_cache.step
+    for name, t in eager_cache.tensors().items():
+        torch.testing.assert_close(compiled_cache.tensors()[name], t, atol=1e-5, rtol=1e-5, msg=name)
+    streamed = model.generate(prompts, 12, temperature=0, max_length=40, compile=True)
+    assert streamed == model.generate(prompts, 12, temperature=0, max_length=40)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from griffin import ModelConfig
 from griffin.layers import CGLRU, RGLRU, BlockDiagonalLinear, CausalConv1D, GatedMLP, MultiQueryAttention, RMSNorm
 from griffin.layers.attention import MIN_LOCAL_CHUNK
+from griffin.layers.linear import PrepackedLinear, can_prepack
 from griffin.layers.recurrent_block import RecurrentBlock
 from griffin.layers.rope import apply_rope, rope_angles
 
@@ -271,3 +272,119 @@ def test_gradcheck_layers(gen, monkeypatch):
     xa = rand(gen, 1, 11, 4).requires_grad_()
     pos = torch.arange(xa.shape[1])[None]
     assert torch.autograd.gradcheck(lambda u: att(u, pos, None), (xa,))
+
+
+# One-token decode steps (Section 5): the arithmetic of forward at T = 1, bit for bit ---------------------------
+DECODE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+def test_block_diagonal_linear_any_leading_shape(gen, dtype):
+    lin = BlockDiagonalLinear(12, 6, 3)
+    dense = torch.block_diag(*lin.w.detach().double())
+    for shape in [(12,), (5, 12), (3, 1, 12), (2, 4, 3, 12)]:
+        x = rand(gen, *shape, dtype=torch.float64)
+        y = lin.to(dtype)(x.to(dtype))
+        assert y.shape == (*shape[:-1], 6) and y.dtype == dtype
+        expected = x.to(dtype).double() @ dense.to(dtype).double() + lin.b.double().reshape(-1)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(y.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+def test_conv1d_decode_step(gen, dtype):
+    conv = CausalConv1D(5, 4).to(dtype)
+    with torch.no_grad():
+        conv.b.copy_(rand(gen, 5))
+        state = rand(gen, 3, 3, 5).to(dtype)
+        x = rand(gen, 3, 5).to(dtype)
+        expected = conv(x[:, None], state=state)[:, 0]
+        new_state = torch.cat([state[:, 1:], x[:, None]], 1)
+        assert torch.equal(conv.decode_step(x, state), expected)
+        assert torch.equal(state, new_state)  # shifted in place
+
+
+@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+@pytest.mark.parametrize("lru_type", [RGLRU, CGLRU])
+def test_lru_decode_step(gen, dtype, lru_type):
+    lru = lru_type(12, 3).to(dtype)
+    with torch.no_grad():
+        lru.a_gate.b.copy_(rand(gen, 3, lru.a_gate.b.shape[1]))
+        x = rand(gen, 5, 12).to(dtype)
+        h = (rand(gen, 5, 12) if lru_type is RGLRU else torch.complex(rand(gen, 5, 6), rand(gen, 5, 6)))
+        h = h.to(torch.float32 if lru_type is RGLRU else torch.complex64)
+        y, h_last = lru(x[:, None], torch.zeros(5, 1, dtype=torch.bool), h)  # the generic path passes reset
+        assert torch.equal(lru.decode_step(x, h), y[:, 0])
+        assert torch.equal(h, h_last)
+
+
+@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_attention_decode_step(gen, dtype, local, kv_heads):
+    """Writes the same slot and attends like forward with a cache, including over a wrapped ring buffer."""
+    from griffin.cache import DecodeState, init_cache
+    from griffin.layers.attention import DecodeInputs
+    from griffin.layers.rope import rope_angles
+
+    cfg = ModelConfig(width=16, num_heads=4, num_kv_heads=kv_heads, head_dim=6, rope_fraction=2 / 3,
+                      attention_window=5, depth=1, family="griffin" if local else "mqa",
+                      block_types=("local_attention" if local else "attention",))
+    att = MultiQueryAttention(cfg, local=local).to(dtype)
+    B, T = 3, 8
+    x = rand(gen, B, T + 4, 16).to(dtype)
+    with torch.no_grad():
+        cache = init_cache(cfg, B, T + 4, dtype)
+        positions = torch.arange(T).expand(B, T)
+        att(x[:, :T], positions, None, cache.blocks[0], 0)  # a prompt longer than the window
+        cache.step, cache.position = T, torch.full((B,), T)
+        generic = init_cache(cfg, B, T + 4, dtype)
+        generic.blocks[0] = type(cache.blocks[0])(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                     for k, v in vars(cache.blocks[0]).items()})
+        state = DecodeState.from_cache(cache, dtype)
+        for t in range(T, T + 4):
+            pos = torch.full((B, 1), t)
+            expected = att(x[:, t : t + 1], pos, torch.zeros(B, 1, dtype=torch.long), generic.blocks[0], t)[:, 0]
+            cos, sin = rope_angles(pos, cfg.rope_dim, cfg.rope_base)
+            slot = state.step % cfg.attention_window
+            bias = state.local_bias if local else state.global_bias
+            bias.index_fill_(1, slot if local else state.step, 0.0)
+            inputs = DecodeInputs(cos.to(dtype), sin.to(dtype), slot, state.step, t + 1)
+            assert torch.equal(att.decode_step(x[:, t], cache.blocks[0], state, inputs), expected)
+            state.step.add_(1)
+        for name, value in vars(generic.blocks[0]).items():
+            assert value == getattr(cache.blocks[0], name) if not isinstance(value, torch.Tensor) else \
+                torch.equal(value, getattr(cache.blocks[0], name)), name
+
+
+@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+def test_recurrent_block_decode_step(gen, dtype):
+    from griffin.cache import init_cache
+
+    cfg = ModelConfig(family="hawk", width=8, rnn_width=12, gate_blocks=3, depth=1)
+    block = RecurrentBlock(cfg).to(dtype)
+    x = rand(gen, 3, 6, 8).to(dtype)
+    with torch.no_grad():
+        a, b = init_cache(cfg, 3, dtype=dtype).blocks[0], init_cache(cfg, 3, dtype=dtype).blocks[0]
+        no = torch.zeros(3, 5, dtype=torch.bool)
+        block(x[:, :5], no, no, a)
+        block(x[:, :5], no, no, b)
+        expected = block(x[:, 5:], no[:, :1], no[:, :1], a)[:, 0]
+        assert torch.equal(block.decode_step(x[:, 5], b), expected)
+        assert torch.equal(a.conv, b.conv) and torch.equal(a.h, b.h)
+
+
+@pytest.mark.skipif(not can_prepack(torch.zeros(1, 1)), reason="PyTorch without oneDNN")
+@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+def test_prepacked_linear(gen, dtype):
+    w, b, other = rand(gen, 24, 16).to(dtype), rand(gen, 24).to(dtype), rand(gen, 8, 16).to(dtype)
+    linear = PrepackedLinear([w, w], batch_size=5)
+    assert len(linear.packed) == 1
+    x = rand(gen, 5, 16).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=tol, rtol=tol)
+    torch.testing.assert_close(linear(x[:3], w), F.linear(x[:3], w), atol=tol, rtol=tol)  # another batch size
+    assert torch.equal(linear(x, other), F.linear(x, other))  # not packed: F.linear itself
+    with torch.no_grad():
+        w.add_(1.0)  # the packed copy does not follow: one packing per generation
+    assert not torch.allclose(linear(x, w, b), F.linear(x, w, b), atol=tol, rtol=tol)

@@ -87,3 +87,43 @@ def test_bad_input_names_the_value():
         model(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3))
     with pytest.raises(TypeError, match="input_ids must be a torch.Tensor, got list"):
         model([[1, 2]])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_forward_updates_the_cache_in_place(gen, family):
+    """Every cache tensor keeps its storage (what CUDA graphs and a compiled decode step need)."""
+    model = tiny(family).eval()
+    cache = model.init_cache(3, 40)
+    storage = {k: v.data_ptr() for k, v in cache.tensors().items()}
+    before = {k: v.clone() for k, v in cache.tensors().items()}
+    model(torch.randint(0, 32, (3, 9), generator=gen), cache=cache)
+    model(torch.randint(0, 32, (3, 1), generator=gen), cache=cache)
+    assert {k: v.data_ptr() for k, v in cache.tensors().items()} == storage
+    assert all(not torch.equal(v, before[k]) for k, v in cache.tensors().items() if k.split(".")[-1] != "segment")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_decode_step_continues_the_sequence(gen, family):
+    """CausalLM.decode_step (no checks, no host syncs) with a hand-made DecodeState gives forward's logits."""
+    from griffin.cache import DecodeState
+
+    model = tiny(family, embed_scale=True, logits_soft_cap=5.0).eval()
+    ids = torch.randint(0, 32, (5, 12), generator=gen)
+    full = model(ids)
+    cache = model.init_cache(5, 12)
+    model(ids[:, :7], cache=cache)
+    state = DecodeState.from_cache(cache, model.dtype)
+    for t in range(7, 12):
+        logits = model.decode_step(ids[:, t], cache, state, kv_len=None if t % 2 else cache.step + 1)
+        cache.step += 1
+        torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=1e-5)
+    assert int(state.step) == cache.step == 12 and cache.position.tolist() == [12] * 5
+
+
+def test_embedding_scale_is_sqrt_width_in_bfloat16():
+    model = tiny("griffin", embed_scale=True, width=20)
+    assert model.embed_multiplier == 4.46875  # sqrt(20) = 4.472... rounded to bfloat16, as RecurrentGemma
+    ids = torch.tensor([[3, 4]])
+    torch.testing.assert_close(model.embed_tokens(ids), model.embed(ids) * 4.46875, atol=0, rtol=0)

@@ -183,13 +183,17 @@ class Run:
     tokens: Tensor  # (B, N)
 
 
-def run_griffin(model: CausalLM, prompts: Tensor, n: int) -> Run:
-    """Sample ``n`` tokens greedily with :func:`griffin.generate.generate_stream` (what ``generate`` runs)."""
+def run_griffin(model: CausalLM, prompts: Tensor, n: int, compile: bool = False) -> Run:
+    """Sample ``n`` tokens greedily with :func:`griffin.generate.generate_stream` (what ``generate`` runs);
+    ``compile``: with the ``torch.compile``d decode step, compiled for these shapes first (untimed)."""
     device = model.device
+    if compile:
+        for _ in generate_stream(model, prompts, 2, temperature=0.0, max_length=prompts.shape[1] + n, compile=True):
+            pass
     sync(device)
     start = time.perf_counter()
     stamps, out = [], []
-    for step in generate_stream(model, prompts, n, temperature=0.0):  # each step ends with a device sync
+    for step in generate_stream(model, prompts, n, temperature=0.0, compile=compile):  # each step syncs
         stamps.append(time.perf_counter())
         out.append(step)
     steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
@@ -242,7 +246,7 @@ def bench_latency(args: argparse.Namespace, models: dict[str, CausalLM], device:
                 for n in args.lengths:
                     def once(model=model, ids=ids, n=n) -> Run:
                         bar.update()
-                        return run_griffin(model, ids, n)
+                        return run_griffin(model, ids, n, args.compile)
 
                     run = median_run(once, args.repeats)
                     rows.append(dict(family=family, batch=args.batch, prompt=prompt_len, tokens=n,
@@ -271,7 +275,7 @@ def bench_throughput(args: argparse.Namespace, models: dict[str, CausalLM], devi
 
             def once(model=model, ids=ids, n=n) -> Run:
                 bar.update()
-                return run_griffin(model, ids, n)
+                return run_griffin(model, ids, n, args.compile)
 
             run = median_run(once, args.repeats)
             rows.append(dict(family=family, tokens=n, batch=batch, latency_s=run.total_s,
@@ -295,7 +299,7 @@ def check_hf(args: argparse.Namespace, hf: Any, model: CausalLM, device: torch.d
     ids = make_prompts(args, args.batch, 64, device)
     with torch.no_grad():
         diff = (hf(ids, use_cache=False).logits.float() - model(ids).float()).abs().max().item()
-    ours = run_griffin(model, ids, args.check_tokens).tokens
+    ours = run_griffin(model, ids, args.check_tokens, args.compile).tokens
     theirs = run_hf(hf, ids, args.check_tokens).tokens
     return dict(max_logit_diff=diff, tokens=args.check_tokens, batch=args.batch,
                 token_agreement=(ours == theirs).float().mean().item())
@@ -311,7 +315,7 @@ def bench_hf(args: argparse.Namespace, hf: Any, model: CausalLM, device: torch.d
             for n in args.hf_lengths:
                 def ours(ids=ids, n=n) -> Run:
                     bar.update()
-                    return run_griffin(model, ids, n)
+                    return run_griffin(model, ids, n, args.compile)
 
                 def theirs(ids=ids, n=n) -> Run:
                     bar.update()
@@ -442,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repeats", type=int, default=1, help="timed runs per point (the median is kept)")
     r.add_argument("--copy-mb", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--compile", action="store_true",
+                   help="decode with the torch.compile'd step (CUDA graphs on GPU), compiled before each timed run")
     e = p.add_argument_group("environment and output")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -469,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print Markdown tables, write the JSON results and the plots."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.compile:  # one compilation per family, batch and KV-cache size
+        torch._dynamo.config.recompile_limit = 256
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     hf_reason = None
     if args.no_hf:
@@ -492,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              (f"cache MiB/row at T={args.prompt + max(args.lengths)}", "cache_mb_per_row", ".2f")]))
 
     for model in models.values():  # warm-up: allocator, numba kernels of the prefill scan and decode step
-        run_griffin(model, make_prompts(args, args.batch, min(64, args.prompt), device), 4)
+        run_griffin(model, make_prompts(args, args.batch, min(64, args.prompt), device), 4, args.compile)
     copy_bw = copy_bandwidth(args.copy_mb * 2**20, device)
     results: dict[str, Any] = dict(machine=info, args=vars(args), models=model_rows, copy_gb_s=copy_bw / 1e9)
 

@@ -6,7 +6,12 @@
 
 All rows of a batch advance together (prompts of different lengths are left-padded); ``step`` counts the tokens
 processed, padding included. Each attention slot remembers the step it was written at and the document
-(segment) of its token, so that masks need no other bookkeeping.
+(segment) of its token, so that masks need no other bookkeeping. Every tensor is updated in place, so a cache
+keeps its storage (and a compiled or graph-captured decode step its inputs) from one step to the next.
+
+:class:`DecodeState` is what a one-token decode step needs on top of a cache, kept on the device: the step
+counter as a tensor and, per attention kind, an additive mask over the slots a decode query may see. It is
+derived from a cache (never saved) and updated in place by :meth:`griffin.CausalLM.decode_step`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ EMPTY = -1  # slot index / segment of a slot that holds nothing
 @dataclass
 class RecurrentCache:
     conv: Tensor  # (B, K-1, D_RNN) Conv1D inputs before the next token, zeroed before a document start
-    h: Tensor  # (B, D_RNN) float32 RG-LRU state (complex64 with D_RNN/2 channels for the CG-LRU)
+    h: Tensor  # (B, D_RNN) RG-LRU state, float32 (float64 for a float64 model; complex, D_RNN/2 wide, for the CG-LRU)
 
 
 @dataclass
@@ -99,6 +104,7 @@ class Cache:
         return self.select([row] * batch_size)
 
     def to(self, device: torch.device | str) -> Cache:
+        """The cache on ``device``; like ``Tensor.to``, it shares the tensors (updated in place) if already there."""
         return self.map(lambda t: t.to(device))
 
     def save(self, path: str | Path) -> None:
@@ -140,6 +146,40 @@ class Cache:
         return cache.to(device)
 
 
+@dataclass
+class DecodeState:
+    """Device-side counters of a decode loop (Section 5), derived from a :class:`Cache` by :meth:`from_cache`.
+
+    During decoding no document starts and no padding is read, so a slot, once written, stays visible: the masks
+    change only at the slot each step writes, and the whole state can be updated in place without host syncs.
+    """
+
+    step: Tensor  # (1,) long: the cache's step (tokens processed) on the device, i.e. the next token's step
+    segment: Tensor  # (B,) long: the document id written to attention slots for decoded tokens
+    local_bias: Tensor | None  # (B, window): 0 at slots a local-attention decode query sees, -inf elsewhere
+    global_bias: Tensor | None  # (B, max_length): the same for global attention
+    inv_freq: Tensor  # (rope_dim // 2,) float32 RoPE frequencies
+
+    @classmethod
+    def from_cache(cls, cache: Cache, dtype: torch.dtype) -> DecodeState:
+        """The state that continues ``cache``; ``dtype`` is the model's (that of the attention scores)."""
+        from griffin.layers.rope import rope_inv_freq
+
+        device = cache.position.device
+        segment = cache.segment.clone() if cache.config.attention_document_mask else torch.zeros_like(cache.segment)
+        biases: dict[bool, Tensor] = {}
+        for block in cache.blocks:
+            if isinstance(block, AttentionCache) and block.local not in biases:
+                # Every block of one kind is written at the same slots with the same bookkeeping: one mask each.
+                # A ring buffer holds exactly the window, so each slot it holds is within the next query's reach.
+                visible = (block.index >= 0) & (block.segment == segment[:, None])
+                bias = torch.zeros(visible.shape, dtype=dtype, device=device)
+                biases[block.local] = bias.masked_fill_(~visible, float("-inf"))
+        step = torch.tensor([cache.step], dtype=torch.long, device=device)
+        inv_freq = rope_inv_freq(cache.config.rope_dim, cache.config.rope_base, device)
+        return cls(step, segment, biases.get(True), biases.get(False), inv_freq)
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_length: int | None = None,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Cache:
     """An empty cache. ``max_length`` sizes global-attention caches (required if the model has any)."""
@@ -148,7 +188,8 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int | None = No
     blocks: list[RecurrentCache | AttentionCache] = []
     for kind in config.block_types:
         if kind == "recurrent":
-            state_dtype = torch.complex64 if config.complex_lru else torch.float32
+            state_dtype = torch.promote_types(dtype, torch.float32)  # the recurrence's accumulation dtype
+            state_dtype = state_dtype.to_complex() if config.complex_lru else state_dtype
             blocks.append(RecurrentCache(
                 conv=torch.zeros(batch_size, config.conv1d_width - 1, config.rnn_width, dtype=dtype, device=device),
                 h=torch.zeros(batch_size, config.lru_width, dtype=state_dtype, device=device),

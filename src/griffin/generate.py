@@ -1,19 +1,24 @@
 """Prefill and decode with bounded caches, and sampling (Section 5).
 
 A batch of prompts is left-padded (padding tokens carry position -1 and are seen by nothing), processed in
-parallel in chunks so that a long prompt runs in bounded memory, then tokens are sampled one step at a time.
+parallel in chunks so that a long prompt runs in bounded memory, then tokens are sampled one step at a time by a
+:class:`Decoder`: the cache is checked once, then each step runs :meth:`griffin.CausalLM.decode_step` (no input
+checks, no host syncs, caches updated in place; optionally ``torch.compile``d). The one host sync per step is
+the caller's: the sampled tokens are handed over as Python ints.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from griffin.cache import Cache
+from griffin.cache import Cache, DecodeState
+from griffin.layers.linear import LinearFn, PrepackedLinear, can_prepack
 
 if TYPE_CHECKING:
     from griffin.model import CausalLM
@@ -128,6 +133,84 @@ def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_l
     return logits, cache
 
 
+_COMPILED: dict[str | None, Callable] = {}
+
+
+def compiled_decode_step(device: torch.device) -> Callable:
+    """``torch.compile`` of :meth:`griffin.CausalLM.decode_step` (shared by every model; Dynamo recompiles for a
+    new model, batch or dtype): static shapes, whole graph; CUDA graphs ("reduce-overhead") on GPU."""
+    from griffin.model import CausalLM
+
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(CausalLM.decode_step, mode=mode, fullgraph=True, dynamic=False)
+    return _COMPILED[mode]
+
+
+class Decoder:
+    """One-token decode steps on ``cache`` (Section 5): ``decoder(tokens)`` with tokens (B,) returns the logits
+    (B, vocab) of the next ones and advances the cache in place.
+
+    Everything that needs the host is done once, here: the cache is checked against the model, every row must
+    continue a document (a prompt was prefilled), and the device-side :class:`griffin.cache.DecodeState` is
+    derived. A step then checks only the host counter ``cache.step`` (against the global-attention KV cache's
+    size) and runs :meth:`griffin.CausalLM.decode_step`; token ids are not checked (they are sampled from the
+    model's own logits). If something else advances the cache in between (e.g. ``model(ids, cache=cache)``),
+    the state is derived again.
+
+    ``prepack`` (default: on CPU, in eager mode): the weight matmuls use copies of the weights laid out for
+    oneDNN (:class:`griffin.layers.linear.PrepackedLinear`), made here: faster, equal to the generic path up to
+    float32 rounding, blind to later changes of the weights, and as large as the weights while the decoder lives
+    (pass ``prepack=False`` where memory is tight). With ``prepack=False`` a step gives the logits
+    of ``model(tokens[:, None], cache=cache)`` bit for bit. ``compile=True`` runs the step through
+    ``torch.compile`` (CUDA graphs on GPU) with static shapes: attention then reads every preallocated slot,
+    masked.
+    """
+
+    def __init__(self, model: CausalLM, cache: Cache, compile: bool = False, prepack: bool | None = None) -> None:
+        self.model, self.cache, self.compile = model, cache, compile
+        self.step_fn = compiled_decode_step(model.device) if compile else type(model).decode_step
+        if prepack is None:
+            prepack = not compile and can_prepack(model.output_weight)
+        self.linear: LinearFn = F.linear
+        if prepack:
+            weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.output_weight]
+            self.linear = PrepackedLinear(weights, cache.batch_size)
+        self._derive_state()
+
+    def _derive_state(self) -> None:
+        cache = self.cache
+        self.model.check_cache(cache, cache.batch_size)
+        if cache.step == 0 or bool((cache.position < 1).any()):  # one host sync per prompt
+            raise ValueError("decoding continues the documents in the cache: prefill at least one token per row "
+                             "(e.g. a BOS token) first")
+        self.state = DecodeState.from_cache(cache, self.model.dtype)
+        self.step, self.max_length = cache.step, cache.max_length
+        if self.compile and self.model.device.type == "cuda":  # CUDA graphs read and write these in place
+            for t in [*cache.tensors().values(), *vars(self.state).values()]:
+                if isinstance(t, Tensor):
+                    torch._dynamo.mark_static_address(t)
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor) -> Tensor:
+        cache = self.cache
+        if cache.step != self.step:
+            self._derive_state()
+        if self.max_length is not None and cache.step >= self.max_length:
+            raise ValueError(f"the global-attention KV cache holds {self.max_length} tokens, all used: size it with a "
+                             f"larger max_length")
+        if tokens.shape != (cache.batch_size,) or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a ({cache.batch_size},) int64 tensor, got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
+        kv_len = None if self.compile else cache.step + 1
+        if self.compile and tokens.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits may be overwritten
+        logits = self.step_fn(self.model, tokens, cache, self.state, kv_len, self.linear)
+        cache.step += 1
+        self.step = cache.step
+        return logits
+
+
 @torch.no_grad()
 def generate_stream(
     model: CausalLM,
@@ -141,12 +224,14 @@ def generate_stream(
     cache: Cache | None = None,
     max_length: int | None = None,
     chunk_size: int = 1024,
+    compile: bool = False,
 ) -> Iterator[list[int | None]]:
     """Yield, at each step, the token sampled for every row (None for rows that have stopped).
 
     A row stops after producing one of ``stop_tokens`` (which is yielded). ``cache`` continues from a saved
     state (see :class:`griffin.cache.Cache`); it is updated in place. ``max_length`` sizes the KV cache of
-    global attention (default: the longest prompt plus ``max_new_tokens``).
+    global attention (default: the longest prompt plus ``max_new_tokens``). ``compile``: decode with a
+    ``torch.compile``d step (see :class:`Decoder`).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     rows = _as_rows(prompts)
@@ -160,7 +245,8 @@ def generate_stream(
     if max_new_tokens == 0:
         return
     logits, cache = prefill(model, rows, cache, max_length, chunk_size)
-    yield from decode_stream(model, logits, cache, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens)
+    yield from decode_stream(model, logits, cache, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
+                             compile=compile)
 
 
 @torch.no_grad()
@@ -174,21 +260,29 @@ def decode_stream(
     top_p: float = 1.0,
     seed: int | None = None,
     stop_tokens: Sequence[int] = (),
+    *,
+    compile: bool = False,
 ) -> Iterator[list[int | None]]:
-    """Sample from ``logits`` (B, V), the output of :func:`prefill`, then continue one token at a time."""
+    """Sample from ``logits`` (B, V), the output of :func:`prefill`, then continue one token at a time with a
+    :class:`Decoder` on ``cache``."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if max_new_tokens == 0:
+        return
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
-    stops = torch.tensor(sorted(set(stop_tokens)), dtype=torch.long, device=model.device)
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=model.device)
+    decoder = None  # made at the first decode step (a single new token needs none)
+    stops = set(stop_tokens)
+    done = [False] * logits.shape[0]
     for step in range(max_new_tokens):
         tokens = sample(logits, temperature, top_k, top_p, generator)
-        yield [None if d else t for d, t in zip(done.tolist(), tokens.tolist(), strict=True)]
-        done |= torch.isin(tokens, stops)
-        if bool(done.all()) or step == max_new_tokens - 1:
+        ids = tokens.tolist()  # the step's one host sync: the caller gets Python ints
+        yield [None if d else t for d, t in zip(done, ids, strict=True)]
+        done = [d or t in stops for d, t in zip(done, ids, strict=True)]
+        if all(done) or step == max_new_tokens - 1:
             return
-        logits = model(tokens[:, None], cache=cache)[:, -1]
+        decoder = decoder or Decoder(model, cache, compile=compile)
+        logits = decoder(tokens)
 
 
 def generate(model: CausalLM, prompts: Prompts, max_new_tokens: int = 64, **kwargs) -> list[list[int]]:

@@ -6,11 +6,15 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.cache import EMPTY, Cache, init_cache
+from griffin.cache import EMPTY, AttentionCache, Cache, DecodeState, RecurrentCache, init_cache
 from griffin.config import ModelConfig
 from griffin.layers import GatedMLP, MultiQueryAttention, RecurrentBlock, RMSNorm
+from griffin.layers.attention import DecodeInputs
+from griffin.layers.linear import LinearFn
+from griffin.layers.rope import rope_angles
 
 
 class ResidualBlock(nn.Module):
@@ -38,6 +42,17 @@ class ResidualBlock(nn.Module):
         residual = h + x
         return self.mlp_block(self.channel_pre_norm(residual)) + residual
 
+    def decode_step(self, x: Tensor, cache: RecurrentCache | AttentionCache, state: DecodeState,
+                    inputs: DecodeInputs | None, linear: LinearFn = F.linear) -> Tensor:
+        """:meth:`forward` for one token per row, x (B, D), through the blocks' decode steps."""
+        h = self.temporal_pre_norm(x)
+        if self.block_type == "recurrent":
+            h = self.temporal_block.decode_step(h, cache, linear)
+        else:
+            h = self.temporal_block.decode_step(h, cache, state, inputs, linear)
+        residual = h + x
+        return self.mlp_block.decode_step(self.channel_pre_norm(residual), linear) + residual
+
 
 class CausalLM(nn.Module):
     """Embedding, N residual blocks in the family's pattern, final RMSNorm, tied output layer."""
@@ -49,6 +64,8 @@ class CausalLM(nn.Module):
         self.blocks = nn.ModuleList(ResidualBlock(config, kind) for kind in config.block_types)
         self.final_norm = RMSNorm(config.width, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.width, config.vocab_size, bias=False)
+        # sqrt(D) rounded to bfloat16, as in the released RecurrentGemma checkpoints.
+        self.embed_multiplier = float(torch.tensor(math.sqrt(config.width), dtype=torch.bfloat16, device="cpu"))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -95,15 +112,16 @@ class CausalLM(nn.Module):
     # Forward --------------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         x = self.embed(input_ids)
-        if self.config.embed_scale:
-            # sqrt(D) rounded to bfloat16, as in the released RecurrentGemma checkpoints.
-            x = x * torch.tensor(math.sqrt(self.config.width), dtype=torch.bfloat16).to(x.dtype)
-        return x
+        return x * self.embed_multiplier if self.config.embed_scale else x
 
-    def logits(self, h: Tensor) -> Tensor:
+    @property
+    def output_weight(self) -> Tensor:
+        """The output layer's (vocab, D) matrix: the embedding's if tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, h: Tensor, linear: LinearFn = F.linear) -> Tensor:
         h = self.final_norm(h)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = h @ weight.T
+        logits = linear(h, self.output_weight)
         cap = self.config.logits_soft_cap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -144,9 +162,38 @@ class CausalLM(nn.Module):
                       step)
         if cache is not None:
             cache.step += T
-            cache.segment = cache.segment + reset.sum(1)
-            cache.position = positions[:, -1].clamp(min=-1) + 1
+            cache.segment.add_(reset.sum(1))
+            cache.position.copy_(positions[:, -1].clamp(min=-1) + 1)
         return self.logits(x)
+
+    def decode_step(self, tokens: Tensor, cache: Cache, state: DecodeState, kv_len: int | None = None,
+                    linear: LinearFn = F.linear) -> Tensor:
+        """Logits (B, vocab) of one new token per row, ``tokens`` (B,), continuing the documents in ``cache``
+        (Section 5): the decode step alone, with no input checks and no host syncs.
+
+        Updates ``cache`` (all but the host counter ``cache.step``, which the caller advances) and ``state``
+        (:meth:`griffin.cache.DecodeState.from_cache`) in place. With ``kv_len=None`` every shape is static and
+        nothing depends on a Python value that changes between steps, so the step can be compiled or captured
+        in a CUDA graph; eager callers pass ``kv_len = cache.step + 1`` to attend only over the slots in use.
+        ``linear`` does every weight matmul (e.g. :class:`griffin.layers.linear.PrepackedLinear`).
+        :class:`griffin.generate.Decoder` does all of this and checks the inputs once.
+        """
+        x = self.embed_tokens(tokens)
+        inputs = None
+        if state.local_bias is not None or state.global_bias is not None:
+            cfg = self.config
+            cos, sin = rope_angles(cache.position[:, None], cfg.rope_dim, cfg.rope_base, state.inv_freq)
+            local_slot = state.step % cfg.attention_window
+            inputs = DecodeInputs(cos.to(x.dtype), sin.to(x.dtype), local_slot, state.step, kv_len)
+            if state.local_bias is not None:  # the slot written now becomes visible (nothing becomes hidden)
+                state.local_bias.index_fill_(1, local_slot, 0.0)
+            if state.global_bias is not None:
+                state.global_bias.index_fill_(1, state.step, 0.0)
+        for block, block_cache in zip(self.blocks, cache.blocks, strict=True):
+            x = block.decode_step(x, block_cache, state, inputs, linear)
+        cache.position.add_(1)
+        state.step.add_(1)
+        return self.logits(x, linear)
 
     def init_cache(self, batch_size: int, max_length: int | None = None) -> Cache:
         """An empty inference cache; ``max_length`` sizes the KV cache of global attention (MQA models)."""
@@ -154,7 +201,7 @@ class CausalLM(nn.Module):
 
     def generate(self, input_ids, max_new_tokens: int = 64, **kwargs) -> list[list[int]]:
         """Sample continuations of prompts; see :func:`griffin.generate.generate_stream` for the options
-        (temperature, top_k, top_p, seed, stop_tokens, cache, max_length, chunk_size)."""
+        (temperature, top_k, top_p, seed, stop_tokens, cache, max_length, chunk_size, compile)."""
         from griffin.generate import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.cache import AttentionCache
+from griffin.cache import AttentionCache, DecodeState
 from griffin.config import ModelConfig
-from griffin.layers.rope import apply_rope, rope_angles
+from griffin.layers.linear import LinearFn
+from griffin.layers.rope import apply_rope, rope_angles, rotate
 
 # Local attention processes queries in chunks of at least this many tokens; a chunk of C queries attends
 # to C + window - 1 keys, so memory is O(T * (C + window)) instead of O(T^2).
 MIN_LOCAL_CHUNK = 128
+
+
+class DecodeInputs(NamedTuple):
+    """What every attention block of one decode step shares, computed once per step by the model."""
+
+    cos: Tensor  # (B, 1, rope_dim // 2) RoPE angles of the new tokens' positions, in the model's dtype
+    sin: Tensor
+    local_slot: Tensor  # (1,) long: the ring-buffer slot this step writes (step mod window)
+    global_slot: Tensor  # (1,) long: the global-attention slot this step writes (step)
+    kv_len: int | None  # attend to the first kv_len slots only (those in use; eager), None: every slot (static)
 
 
 def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int | None,
@@ -96,39 +108,65 @@ class MultiQueryAttention(nn.Module):
         q_index = torch.arange(step, step + T, device=x.device)
         if segments is None:
             segments = torch.zeros(B, T, dtype=torch.long, device=x.device)
+        used = min(step + T, slots)  # slots [0, used) hold tokens once x is written (slot = step mod slots)
         if not cache.local:
             if step + T > slots:
                 raise ValueError(f"the global-attention KV cache holds {slots} tokens; "
                                  f"cannot process tokens {step}..{step + T - 1}: size it with a larger max_length")
-            self._write(cache, q_index, k, v, segments)  # then attend over the whole (static-size) buffer
-            keys, values, k_index, k_seg = cache.k, cache.v, cache.index, cache.segment
+            self._write(cache, q_index, k, v, segments)  # then attend over the slots in use
         elif T == 1:
             self._write(cache, q_index % slots, k, v, segments, index=q_index)
-            keys, values, k_index, k_seg = cache.k, cache.v, cache.index, cache.segment
-        else:
-            keys, values = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-            k_index, k_seg = torch.cat([cache.index, q_index]), torch.cat([cache.segment, segments], 1)
+        if not cache.local or T == 1:
+            keys, values = cache.k[:, :used], cache.v[:, :used]
+            k_index, k_seg = cache.index[:used], cache.segment[:, :used]
+        else:  # a chunk: the ring buffer's tokens, then the chunk's own (written after attending)
+            held = min(step, slots)
+            keys, values = torch.cat([cache.k[:, :held], k], 1), torch.cat([cache.v[:, :held], v], 1)
+            k_index, k_seg = torch.cat([cache.index[:held], q_index]), torch.cat([cache.segment[:, :held], segments], 1)
         mask = attention_mask(q_index, k_index, self.window, segments, k_seg) & (k_index >= 0)
         if T == 1:
-            out = self._attend_one(q, keys, values, mask)
-        else:
-            out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
-        if cache.local and T > 1:
+            bias = torch.zeros(B, keys.shape[1], dtype=q.dtype, device=x.device).masked_fill_(~mask[:, 0], -math.inf)
+            out = self.proj_final(self._attend_one(q[:, 0], keys, values, bias))
+            return out[:, None]
+        out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
+        if cache.local:
             last = q_index[-slots:]
             self._write(cache, last % slots, k[:, -slots:], v[:, -slots:], segments[:, -slots:], index=last)
         return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
-    def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """Decode-step attention of one query per row, (B, 1, H, d) -> (B, H, 1, d): two small matmuls, which
-        on CPU are far cheaper than a fused kernel's setup for a single query."""
-        B, _, H, d = q.shape
-        G = H // self.num_kv_heads
-        qg = q.view(B, self.num_kv_heads, G, d)  # heads sharing a key/value head side by side
-        scores = torch.einsum("bkgd,bskd->bkgs", qg, keys) * self.head_dim**-0.5
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))  # mask (B, 1, S)
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.einsum("bkgs,bskd->bkgd", probs, values)
-        return out.reshape(B, H, 1, d)
+    def decode_step(self, x: Tensor, cache: AttentionCache, state: DecodeState, inputs: DecodeInputs,
+                    linear: LinearFn = F.linear) -> Tensor:
+        """One token per row (Section 5): x (B, D) at the positions of ``inputs``' RoPE angles. Writes the key and
+        value at this step's slot (in place), then attends over the slots in use with ``state``'s mask; the
+        arithmetic of :meth:`forward` at T = 1, with ``linear`` for the projections."""
+        B = x.shape[0]
+        q = linear(x, self.proj_q.weight, self.proj_q.bias).view(B, self.num_heads, self.head_dim)
+        k = linear(x, self.proj_k.weight, self.proj_k.bias).view(B, self.num_kv_heads, self.head_dim)
+        v = linear(x, self.proj_v.weight, self.proj_v.bias).view(B, 1, self.num_kv_heads, self.head_dim)
+        q, k = rotate(q, inputs.cos, inputs.sin), rotate(k, inputs.cos, inputs.sin)
+        slot = inputs.local_slot if cache.local else inputs.global_slot
+        cache.k.index_copy_(1, slot, k[:, None].to(cache.k.dtype))
+        cache.v.index_copy_(1, slot, v.to(cache.v.dtype))
+        cache.index.index_copy_(0, slot, state.step)
+        cache.segment.index_copy_(1, slot, state.segment[:, None])
+        bias = state.local_bias if cache.local else state.global_bias
+        n = cache.k.shape[1] if inputs.kv_len is None else min(inputs.kv_len, cache.k.shape[1])
+        out = self._attend_one(q, cache.k[:, :n], cache.v[:, :n], bias[:, :n])
+        return linear(out, self.proj_final.weight, self.proj_final.bias)
+
+    def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+        """One query per row: q (B, H, d) over keys and values (B, S, H_kv, d) with an additive mask ``bias``
+        (B, S) (0 or -inf) -> (B, H * d). Two batched matmuls, the scale and the mask fused into the first: on
+        CPU far cheaper than a fused kernel's setup for a single query."""
+        B, H, d = q.shape
+        S, Hk = keys.shape[1], self.num_kv_heads
+        qg = q.reshape(B * Hk, H // Hk, d)  # the heads sharing a key/value head side by side
+        kt = keys.permute(0, 2, 3, 1).reshape(B * Hk, d, S)
+        vs = values.transpose(1, 2).reshape(B * Hk, S, d)
+        bias = bias[:, None, None, :].expand(B, Hk, 1, S).reshape(B * Hk, 1, S).to(q.dtype)
+        scores = torch.baddbmm(bias, qg, kt, alpha=self.head_dim**-0.5)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.bmm(probs, vs).view(B, H * d)
 
     @staticmethod
     def _write(cache: AttentionCache, slots: Tensor, k: Tensor, v: Tensor, segments: Tensor,

@@ -53,3 +53,15 @@ class CausalConv1D(nn.Module):
                 term = term * conv1d_keep_mask(reset, s, start)[..., None].to(term.dtype)
             out[:, start:] += term
         return out
+
+    def decode_step(self, x: Tensor, state: Tensor) -> Tensor:
+        """One time step (decoding): x (B, width) follows the K-1 inputs in ``state`` (B, K-1, width), which is
+        shifted in place to end with x. The same products and sums, in the same order, as :meth:`forward`."""
+        K = self.temporal_width
+        w = self.w.unbind(0)
+        out = x * w[K - 1] + self.b
+        for s in range(1, K):
+            out += state[:, K - 1 - s].to(x.dtype) * w[K - 1 - s]
+        if K > 1:
+            state.copy_(torch.cat([state[:, 1:], x[:, None].to(state.dtype)], dim=1))
+        return out

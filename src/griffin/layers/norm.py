@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32  # promote to >= fp32
         xf = x.to(dtype)
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.scale.to(dtype))).type_as(x)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from griffin.cache import RecurrentCache
 from griffin.config import ModelConfig
 from griffin.layers.conv1d import CausalConv1D
+from griffin.layers.linear import LinearFn
 from griffin.layers.rg_lru import CGLRU, RGLRU
 
 
@@ -52,9 +53,18 @@ class RecurrentBlock(nn.Module):
         conv = self.conv_1d(u, conv_reset, None if cache is None else cache.conv)
         h, h_last = self.rg_lru(conv, reset, None if cache is None else cache.h)
         if cache is not None:
-            cache.conv = next_conv_state(cache.conv, u, conv_reset)
-            cache.h = h_last
+            cache.conv.copy_(next_conv_state(cache.conv, u, conv_reset))
+            cache.h.copy_(h_last)
         return self.linear_out(h * y)
+
+    def decode_step(self, x: Tensor, cache: RecurrentCache, linear: LinearFn = F.linear) -> Tensor:
+        """One token per row (Section 5): x (B, D) continues the documents in ``cache``, updated in place. The
+        arithmetic of :meth:`forward` at T = 1, without masks, resets or a reassigned state; ``linear`` does the
+        matmuls (:class:`griffin.layers.linear.PrepackedLinear` on CPU)."""
+        y = F.gelu(linear(x, self.linear_y.weight, self.linear_y.bias), approximate=self.config.gelu_approximation)
+        u = linear(x, self.linear_x.weight, self.linear_x.bias)
+        h = self.rg_lru.decode_step(self.conv_1d.decode_step(u, cache.conv), cache.h)
+        return linear(h * y, self.linear_out.weight, self.linear_out.bias)
 
 
 def next_conv_state(state: Tensor, u: Tensor, reset: Tensor | None) -> Tensor:
