@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from griffin import CausalLM, ModelConfig
-from griffin.bench import machine_info, sync
+from griffin.bench import machine_info, median_time, sync
 
 # name -> (GRIFFIN_RG_LRU_BACKEND, GRIFFIN_SCAN_BACKEND)
 BACKENDS = {
@@ -47,13 +45,7 @@ def step_time(model: CausalLM, opt: torch.optim.Optimizer, ids: torch.Tensor, re
         opt.step()
         sync(device)
 
-    step()  # warm-up: kernel compilation, allocator
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(step, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

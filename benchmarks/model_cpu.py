@@ -13,26 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from griffin.bench import cpu_name
-
-
-def time_steps(step, repeats: int) -> float:
-    step()  # warm-up (numba compilation, allocator)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from griffin.bench import cpu_name, median_time
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor, logits_of) -> None:
@@ -81,8 +69,8 @@ def main() -> None:
         with torch.no_grad():
             diff = (hf(ids, use_cache=False).logits - ours(ids)).abs().max().item()
 
-        t_ours = time_steps(partial(train_step, ours, ids, lambda m, x: m(x)), args.repeats)
-        t_hf = time_steps(partial(train_step, hf, ids, lambda m, x: m(x, use_cache=False).logits), args.repeats)
+        t_ours = median_time(partial(train_step, ours, ids, lambda m, x: m(x)), args.repeats)
+        t_hf = median_time(partial(train_step, hf, ids, lambda m, x: m(x, use_cache=False).logits), args.repeats)
         tokens = args.batch * args.seq
         rows.append(dict(width=width, depth=args.depth, params=ours.num_parameters(), batch=args.batch,
                          seq=args.seq, max_logit_diff=diff, griffin_s=t_ours, hf_s=t_hf,

@@ -214,6 +214,17 @@ def run_hf(hf: Any, prompts: Tensor, n: int) -> Run:
     return Run(total, float("nan"), float("nan"), out[:, prompts.shape[1] :].cpu())
 
 
+def median_time(step: Callable[[], None], repeats: int) -> float:
+    """Median seconds of ``step()`` over ``repeats`` calls after one warm-up call (compilation, allocator)."""
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def median_run(fn: Callable[[], Run], repeats: int) -> Run:
     """The run of median total time among ``repeats`` runs."""
     runs = sorted((fn() for _ in range(repeats)), key=lambda r: r.total_s)
