@@ -222,6 +222,8 @@ def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(dataset, tmp_
 
 def test_resume_refuses_a_changed_batch_layout(dataset, tmp_path):
     train(tiny(dataset, tmp_path / "run", max_steps=3))
+    with pytest.raises(ValueError, match="already holds checkpoints.*--resume"):
+        Trainer(tiny(dataset, tmp_path / "run", max_steps=3))  # a fresh run would mix with the old checkpoints
     with pytest.raises(CheckpointError, match="batch_size=4.*batch_size=8"):
         Trainer(tiny(dataset, tmp_path / "run", resume="auto", batch_size=8))
 

@@ -25,6 +25,7 @@ from griffin.model import CausalLM
 from griffin.training.checkpoint import (
     fault_point,
     find_resumable,
+    list_checkpoints,
     load_checkpoint,
     prune,
     save_checkpoint,
@@ -159,6 +160,10 @@ class Trainer:
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt_root = self.out / "checkpoints"
+        existing = list_checkpoints(self.ckpt_root)
+        if existing and not cfg.resume:
+            raise ValueError(f"{self.out} already holds checkpoints of a run (up to {existing[-1].name}): pass "
+                             "--resume to continue it, or choose another --out")
         self.dist, device = init_distributed(cfg.device)
         self.device = resolve_device(device)
         self.autocast = resolve_precision(cfg.precision, self.device)
@@ -223,7 +228,11 @@ class Trainer:
         if not self.cfg.resume:
             return None
         if self.cfg.resume == "auto":
-            return find_resumable(self.ckpt_root)
+            path = find_resumable(self.ckpt_root)
+            if path is None and list_checkpoints(self.ckpt_root):
+                raise CheckpointError(f"no checkpoint in {self.ckpt_root} is intact; resume from one explicitly "
+                                      "or start in another --out")
+            return path
         return Path(self.cfg.resume)
 
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
