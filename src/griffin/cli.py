@@ -185,12 +185,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _add_train_options(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, its help taken from the field; unset flags leave the config file's value."""
     import dataclasses
-    import typing
 
     from griffin.training import TrainConfig
+    from griffin.training.config import field_types
 
     defaults = TrainConfig()
-    hints = typing.get_type_hints(TrainConfig)
+    hints = field_types()
     p.add_argument("--config", metavar="TOML", help="a training config file (see configs/); flags override it")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
 import types
 import typing
@@ -86,12 +87,13 @@ class TrainConfig:
     # Validation ---------------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise a ValueError naming the first field whose value cannot run."""
+        types_ = field_types()
         for f in dataclasses.fields(self):
-            check_type(f"{f.name}", getattr(self, f.name), _field_types()[f.name])
+            check_type(f.name, getattr(self, f.name), types_[f.name])
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be one of {choices}")
-            if _field_types()[f.name] is float:
+            if types_[f.name] is float:
                 setattr(self, f.name, float(getattr(self, f.name)))
         positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches",
                     "log_interval", "ckpt_interval", "max_skips")
@@ -161,7 +163,9 @@ class TrainConfig:
         return cls.from_dict({**data, **overrides, "model": model}, source=str(path))
 
 
-def _field_types() -> dict[str, Any]:
+@functools.cache
+def field_types() -> dict[str, Any]:
+    """The resolved annotation of every TrainConfig field (also used to build the command-line flags)."""
     return typing.get_type_hints(TrainConfig)
 
 
