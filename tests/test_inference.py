@@ -49,6 +49,23 @@ def test_prefill_then_decode_equals_full_forward(gen, family, prompt, variant):
     assert (chunked - full).abs().max() <= 1e-4
 
 
+@torch.no_grad()
+def test_chunked_local_attention_over_the_ring_buffer(gen, monkeypatch):
+    """Chunks of 2 queries (below the window, 6), so that prefill chunks attend through several query chunks to
+    the ring buffer's keys in their wrapped order; against the full forward with one chunk per sequence."""
+    model = tiny("griffin", gen)
+    ids = torch.randint(0, 32, (3, 40), generator=gen)
+    positions = torch.arange(40).repeat(3, 1)
+    positions[1, 17:] -= 17  # a second document in row 1
+    full = model(ids, positions)
+    monkeypatch.setattr("griffin.ops.local_attention.MIN_CHUNK", 2)
+    monkeypatch.setattr("griffin.ops.local_attention.MAX_CHUNK", 2)
+    assert (model(ids, positions) - full).abs().max() <= 1e-5
+    cache = model.init_cache(3)
+    outs = [model(ids[:, a:b], positions[:, a:b], cache=cache) for a, b in [(0, 5), (5, 14), (14, 27), (27, 40)]]
+    assert (torch.cat(outs, 1) - full).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_mixed_prompt_lengths_in_one_batch(gen, family):

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from griffin import ModelConfig
 from griffin.layers import CGLRU, RGLRU, BlockDiagonalLinear, CausalConv1D, GatedMLP, MultiQueryAttention, RMSNorm
-from griffin.layers.attention import MIN_LOCAL_CHUNK
 from griffin.layers.linear import PrepackedLinear, can_prepack
 from griffin.layers.recurrent_block import RecurrentBlock
 from griffin.layers.rope import apply_rope, rope_angles
+from griffin.ops.local_attention import MAX_CHUNK
 
 
 def rand(gen, *shape, dtype=torch.float64):
@@ -124,7 +124,7 @@ def test_chunked_local_attention_matches_full_mask(gen, window, packed):
     """Sequences longer than a chunk go through the chunked path; compare with one explicit T x T mask."""
     cfg = ModelConfig(width=16, num_heads=2, head_dim=8, attention_window=window, depth=1, family="griffin")
     att = MultiQueryAttention(cfg, local=True).double()
-    B, T = 2, 3 * MIN_LOCAL_CHUNK + 37
+    B, T = 2, 3 * MAX_CHUNK + 37
     x = rand(gen, B, T, 16)
     reset = random_resets(gen, B, T, 0.01) if packed else torch.zeros(B, T, dtype=torch.bool)
     segments = torch.cumsum(reset, 1) if packed else None
@@ -268,7 +268,7 @@ def test_gradcheck_layers(gen, monkeypatch):
 
     cfg = ModelConfig(width=4, num_heads=2, head_dim=4, attention_window=3, depth=1, gate_blocks=2)
     att = MultiQueryAttention(cfg, local=True).double()
-    monkeypatch.setattr("griffin.layers.attention.MIN_LOCAL_CHUNK", 4)  # several chunks at a small T
+    monkeypatch.setattr("griffin.ops.local_attention.MIN_CHUNK", 4)  # several chunks at a small T
     xa = rand(gen, 1, 11, 4).requires_grad_()
     pos = torch.arange(xa.shape[1])[None]
     assert torch.autograd.gradcheck(lambda u: att(u, pos, None), (xa,))

@@ -13,10 +13,7 @@ from griffin.cache import AttentionCache, DecodeState
 from griffin.config import ModelConfig
 from griffin.layers.linear import LinearFn
 from griffin.layers.rope import apply_rope, rope_angles, rotate
-
-# Local attention processes queries in chunks of at least this many tokens; a chunk of C queries attends
-# to C + window - 1 keys, so memory is O(T * (C + window)) instead of O(T^2).
-MIN_LOCAL_CHUNK = 128
+from griffin.ops.local_attention import sliding_window_attention
 
 
 class DecodeInputs(NamedTuple):
@@ -90,15 +87,12 @@ class MultiQueryAttention(nn.Module):
         if cache is not None:
             return self._forward_cached(x, positions, segments, cache, step)
         q, k, v = self.project(x, positions)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         window = self.window
-        if window is not None and window >= T:
-            window = None
-        if window is None:
-            out = self._attend_full(q, k, v, segments)
+        if window is not None and window < T:
+            out = sliding_window_attention(q, k, v, window, self.head_dim**-0.5, segments, segments)
         else:
-            out = self._attend_local(q, k, v, segments, window)
-        return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+            out = self._attend_full(*(t.transpose(1, 2) for t in (q, k, v)), segments).transpose(1, 2)
+        return self.proj_final(out.reshape(B, T, self.num_heads * self.head_dim))
 
     def _forward_cached(self, x: Tensor, positions: Tensor, segments: Tensor | None, cache: AttentionCache,
                         step: int) -> Tensor:
@@ -108,30 +102,30 @@ class MultiQueryAttention(nn.Module):
         q_index = torch.arange(step, step + T, device=x.device)
         if segments is None:
             segments = torch.zeros(B, T, dtype=torch.long, device=x.device)
-        used = min(step + T, slots)  # slots [0, used) hold tokens once x is written (slot = step mod slots)
-        if not cache.local:
+        if cache.local and T > 1:  # a chunk: the ring buffer's tokens (oldest first), then the chunk's own
+            held = min(step, slots)
+            order = (torch.arange(held, device=x.device) + step) % held if step > slots else slice(None, held)
+            keys, values = torch.cat([cache.k[:, order], k], 1), torch.cat([cache.v[:, order], v], 1)
+            k_seg = torch.cat([cache.segment[:, order], segments], 1)
+            out = sliding_window_attention(q, keys, values, self.window, self.head_dim**-0.5, segments, k_seg)
+            last = q_index[-slots:]  # then the chunk's newest keys replace the oldest
+            self._write(cache, last % slots, k[:, -slots:], v[:, -slots:], segments[:, -slots:], index=last)
+            return self.proj_final(out.reshape(B, T, self.num_heads * self.head_dim))
+        if cache.local:
+            self._write(cache, q_index % slots, k, v, segments, index=q_index)
+        else:
             if step + T > slots:
                 raise ValueError(f"the global-attention KV cache holds {slots} tokens; "
                                  f"cannot process tokens {step}..{step + T - 1}: size it with a larger max_length")
-            self._write(cache, q_index, k, v, segments)  # then attend over the slots in use
-        elif T == 1:
-            self._write(cache, q_index % slots, k, v, segments, index=q_index)
-        if not cache.local or T == 1:
-            keys, values = cache.k[:, :used], cache.v[:, :used]
-            k_index, k_seg = cache.index[:used], cache.segment[:, :used]
-        else:  # a chunk: the ring buffer's tokens, then the chunk's own (written after attending)
-            held = min(step, slots)
-            keys, values = torch.cat([cache.k[:, :held], k], 1), torch.cat([cache.v[:, :held], v], 1)
-            k_index, k_seg = torch.cat([cache.index[:held], q_index]), torch.cat([cache.segment[:, :held], segments], 1)
-        mask = attention_mask(q_index, k_index, self.window, segments, k_seg) & (k_index >= 0)
+            self._write(cache, q_index, k, v, segments)
+        used = min(step + T, slots)  # slots [0, used) hold tokens once x is written (slot = step mod slots)
+        keys, values = cache.k[:, :used], cache.v[:, :used]
+        mask = attention_mask(q_index, cache.index[:used], self.window, segments, cache.segment[:, :used])
+        mask &= cache.index[:used] >= 0
         if T == 1:
-            bias = torch.zeros(B, keys.shape[1], dtype=q.dtype, device=x.device).masked_fill_(~mask[:, 0], -math.inf)
-            out = self.proj_final(self._attend_one(q[:, 0], keys, values, bias))
-            return out[:, None]
+            bias = torch.zeros(B, used, dtype=q.dtype, device=x.device).masked_fill_(~mask[:, 0], -math.inf)
+            return self.proj_final(self._attend_one(q[:, 0], keys, values, bias))[:, None]
         out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
-        if cache.local:
-            last = q_index[-slots:]
-            self._write(cache, last % slots, k[:, -slots:], v[:, -slots:], segments[:, -slots:], index=last)
         return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def decode_step(self, x: Tensor, cache: AttentionCache, state: DecodeState, inputs: DecodeInputs,
@@ -188,33 +182,3 @@ class MultiQueryAttention(nn.Module):
         idx = torch.arange(q.shape[2], device=q.device)
         mask = attention_mask(idx, idx, None, segments, segments)  # (B, T, T)
         return self._sdpa(q, k, v, mask[:, None])
-
-    def _attend_local(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor | None, window: int) -> Tensor:
-        """Sliding-window attention in query chunks: never a T x T mask or score matrix."""
-        B, H, T, d = q.shape
-        C = max(window, MIN_LOCAL_CHUNK)
-        if T <= C:
-            idx = torch.arange(T, device=q.device)
-            mask = attention_mask(idx, idx, window, segments, segments)
-            return self._sdpa(q, k, v, mask if segments is None else mask[:, None])
-        n = -(-T // C)
-        span = C + window - 1  # keys seen by one chunk of queries
-        pad_front, pad_back = window - 1, n * C - T
-        q_c = F.pad(q, (0, 0, 0, pad_back)).unflatten(2, (n, C)).transpose(1, 2)  # (B, n, H, C, d)
-
-        def key_blocks(t: Tensor) -> Tensor:  # (B, Hk, T, d) -> (B, n, Hk, span, d)
-            t = F.pad(t, (0, 0, pad_front, pad_back))
-            return t.unfold(2, span, C).permute(0, 2, 1, 4, 3)
-
-        k_c, v_c = key_blocks(k), key_blocks(v)
-        q_pos = torch.arange(n * C, device=q.device).view(n, C)
-        k_pos = (torch.arange(n * C + window - 1, device=q.device) - pad_front).unfold(0, span, C)  # (n, span)
-        mask = attention_mask(q_pos, k_pos, window, None, None) & (k_pos >= 0)[:, None, :]  # (n, C, span)
-        if segments is not None:
-            seg = F.pad(segments, (0, pad_back), value=-1)  # padded queries form their own document
-            q_seg = seg.view(B, n, C)
-            k_seg = F.pad(seg, (pad_front, 0), value=-2).unfold(1, span, C)
-            mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])  # (B, n, C, span)
-        mask = mask.unsqueeze(-3)  # broadcast over heads
-        out = self._sdpa(q_c, k_c, v_c, mask)  # (B, n, H, C, d)
-        return out.transpose(1, 2).flatten(2, 3)[:, :, :T]

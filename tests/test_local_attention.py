@@ -1,0 +1,89 @@
+"""Chunked sliding-window attention (griffin.ops.local_attention) against its dense-mask reference."""
+
+import pytest
+import torch
+
+from griffin.ops.local_attention import local_chunk, sliding_window_attention, sliding_window_attention_ref
+
+
+def inputs(gen, B, T, P, H, Hk, d, dtype, segments, requires_grad=False):
+    q = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, P + T, Hk, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, P + T, Hk, d, generator=gen, dtype=torch.float64)
+    q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    if not segments:
+        return q, k, v, None, None
+    k_seg = torch.cumsum(torch.rand(B, P + T, generator=gen) < 0.05, 1) - 1  # ids from -1 up (-1: EMPTY padding)
+    return q, k, v, k_seg[:, P:], k_seg
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_matches_reference_float64(gen, trial):
+    """Fresh random shapes: several chunks, a chunk that does not divide T, keys before the queries (a cache),
+    windows shorter and longer than a chunk, one or several key heads, with and without documents."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+
+    def pick(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    B, T, P, window, chunk = pick(1, 3), pick(1, 200), pick(0, 50), pick(1, 70), pick(1, 40)
+    H = [1, 2, 4][trial % 3]
+    Hk = 1 if trial % 2 else H
+    q, k, v, qs, ks = inputs(g, B, T, P, H, Hk, 8, torch.float64, segments=trial % 4 == 0)
+    out = sliding_window_attention(q, k, v, window, None, qs, ks, chunk=chunk)
+    ref = sliding_window_attention_ref(q, k, v, window, None, qs, ks)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("segments", [False, True])
+def test_matches_float64_reference_with_gradients(gen, dtype, segments):
+    B, T, P, H, d, window = 2, 157, 9, 4, 16, 37
+    q, k, v, qs, ks = inputs(gen, B, T, P, H, 1, d, dtype, segments, requires_grad=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    dout = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
+    out = sliding_window_attention(q, k, v, window, 0.3, qs, ks, chunk=16)
+    ref = sliding_window_attention_ref(q64, k64, v64, window, 0.3, qs, ks)
+    (out.double() * dout).sum().backward()
+    (ref * dout).sum().backward()
+    tol = 2e-5 if dtype == torch.float32 else 4e-2
+    assert out.dtype == dtype
+    for got, want in [(out, ref), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)]:
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_gradcheck(gen):
+    q, k, v, qs, ks = inputs(gen, 2, 13, 3, 2, 1, 4, torch.float64, segments=True, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: sliding_window_attention(q, k, v, 4, None, qs, ks, chunk=3), (q, k, v))
+
+
+def test_default_chunk_is_a_fraction_of_the_window():
+    assert [local_chunk(w) for w in (1, 256, 1024, 2048, 100_000)] == [64, 64, 256, 256, 256]
+
+
+def test_never_a_full_mask():
+    """Memory O(T * (C + window)): a 64K-token sequence with a 128-token window fits in a few MB of masks."""
+    B, T, H, d, window = 1, 65536, 1, 4, 128
+    q, k, v = (torch.zeros(B, T, H, d) for _ in range(3))
+    out = sliding_window_attention(q, k, v, window)
+    assert out.shape == (B, T, H, d)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(window=0), "window=0"),
+    (dict(window=2.5), "window=2.5"),
+    (dict(k=torch.zeros(2, 3, 1, 4)), "at least T=5 keys"),
+    (dict(q=torch.zeros(2, 5, 3, 4), k=torch.zeros(2, 5, 2, 4), v=torch.zeros(2, 5, 2, 4)), "multiple"),
+    (dict(q=torch.zeros(2, 5, 4)), "expects q"),
+    (dict(q_seg=torch.zeros(2, 5, dtype=torch.long)), "both q_seg and k_seg"),
+    (dict(q_seg=torch.zeros(2, 4, dtype=torch.long), k_seg=torch.zeros(2, 5, dtype=torch.long)), "segments must"),
+])
+def test_bad_input_is_named(bad, message):
+    args = dict(q=torch.zeros(2, 5, 2, 4), k=torch.zeros(2, 5, 1, 4), v=torch.zeros(2, 5, 1, 4), window=3,
+                q_seg=None, k_seg=None)
+    args.update(bad)
+    if "k" in bad and "v" not in bad:
+        args["v"] = args["k"]
+    with pytest.raises(ValueError, match=message):
+        sliding_window_attention(**args)
