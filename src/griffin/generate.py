@@ -129,7 +129,7 @@ def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_l
     logits = None
     for start in range(0, length, chunk_size):
         sl = slice(start, start + chunk_size)
-        logits = model(ids[:, sl], positions[:, sl], cache=cache)[:, -1]
+        logits = model(ids[:, sl], positions[:, sl], cache=cache, logits_to_keep=1)[:, -1]
     return logits, cache
 
 

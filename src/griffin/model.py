@@ -127,8 +127,9 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: Cache | None = None) -> Tensor:
-        """Logits (B, T, vocab).
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: Cache | None = None,
+                logits_to_keep: int | None = None) -> Tensor:
+        """Logits (B, T, vocab), or (B, logits_to_keep, vocab) of the last positions only (a prefill needs the last).
 
         ``positions`` (B, T) is each token's position in its document: a 0 starts a new document, which sees
         nothing of the previous one, and -1 marks a padding token that nothing sees. Default: the sequence
@@ -137,6 +138,9 @@ class CausalLM(nn.Module):
         """
         self.check_inputs(input_ids, positions)
         B, T = input_ids.shape
+        if logits_to_keep is not None and (isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int)
+                                           or not 1 <= logits_to_keep <= T):
+            raise ValueError(f"logits_to_keep={logits_to_keep!r} must be None or an int in [1, {T}] (the tokens)")
         if cache is not None:
             self.check_cache(cache, B)
         if positions is None:
@@ -164,7 +168,7 @@ class CausalLM(nn.Module):
             cache.step += T
             cache.segment.add_(reset.sum(1))
             cache.position.copy_(positions[:, -1].clamp(min=-1) + 1)
-        return self.logits(x)
+        return self.logits(x if logits_to_keep is None else x[:, T - logits_to_keep :])
 
     def decode_step(self, tokens: Tensor, cache: Cache, state: DecodeState, kv_len: int | None = None,
                     linear: LinearFn = F.linear) -> Tensor:
