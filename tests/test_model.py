@@ -87,6 +87,17 @@ def test_bad_input_names_the_value():
         model(torch.tensor([[1, 2, 3]]), torch.zeros(1, 3))
     with pytest.raises(TypeError, match="input_ids must be a torch.Tensor, got list"):
         model([[1, 2]])
+    for keep in (0, 4, 1.0, True):
+        with pytest.raises(ValueError, match=f"logits_to_keep={keep!r} must be None or an int in \\[1, 3\\]"):
+            model(torch.tensor([[1, 2, 3]]), logits_to_keep=keep)
+
+
+def test_logits_to_keep_are_the_last_positions(gen):
+    model = tiny("griffin")
+    ids = torch.randint(0, 32, (2, 9), generator=gen)
+    full = model(ids)
+    for keep in (1, 4, 9):
+        torch.testing.assert_close(model(ids, logits_to_keep=keep), full[:, -keep:])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
