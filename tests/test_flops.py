@@ -25,6 +25,7 @@ from griffin.flops import (
     training_flops_per_token,
 )
 from griffin.layers.attention import MultiQueryAttention
+from griffin.ops import local_attention as local_ops
 
 aten = torch.ops.aten
 
@@ -45,24 +46,37 @@ def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, *
 def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int, int, float]:
     """FlopCounterMode's count of one forward pass (matmuls, bmm, SDPA), the attention FLOPs the SDPA calls
     execute (every score they compute, masked or not) and the useful ones (4 d per visible (query, key) pair)."""
-    T = ids.shape[1]
     executed, useful = [0], [0.0]
     original = MultiQueryAttention._sdpa
 
-    def recording_sdpa(self, q, k, v, mask, causal=False):
-        d, tq, tk = q.shape[-1], q.shape[-2], k.shape[-2]
-        executed[0] += 4 * d * math.prod(q.shape[:-1]) * tk
+    def record_executed(q, k):
+        executed[0] += 4 * q.shape[-1] * math.prod(q.shape[:-1]) * k.shape[-2]
+
+    def recording_sdpa(self, q, k, v, mask, causal=False):  # global attention, and local within one window
+        record_executed(q, k)
+        tq = q.shape[-2]
         if causal:
             pairs = math.prod(q.shape[:-2]) * tq * (tq + 1) / 2
         else:
-            m = mask.expand(*q.shape[:-1], tk)
-            if q.dim() == 5:  # local attention in query chunks (B, n, H, C, span): drop the padded queries
-                m = m.transpose(1, 2).flatten(2, 3)[:, :, :T]
-            pairs = m.sum().item()
-        useful[0] += 4 * d * pairs
+            pairs = mask.expand(*q.shape[:-1], k.shape[-2]).sum().item()
+        useful[0] += 4 * q.shape[-1] * pairs
         return original(self, q, k, v, mask, causal)
 
+    local_sdpa, local_attention = local_ops._sdpa, local_ops.sliding_window_attention
+
+    def recording_local_sdpa(q, k, v, mask, scale):  # every chunk: every score computed, masked or not
+        record_executed(q, k)
+        return local_sdpa(q, k, v, mask, scale)
+
+    def recording_local_attention(q, k, v, window, scale=None, q_seg=None, k_seg=None):  # (B, T, H, d)
+        T = q.shape[1]
+        delta = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+        useful[0] += 4 * q.shape[-1] * q.shape[0] * q.shape[2] * ((delta >= 0) & (delta < window)).sum().item()
+        return local_attention(q, k, v, window, scale, q_seg, k_seg)
+
     monkeypatch.setattr(MultiQueryAttention, "_sdpa", recording_sdpa)
+    monkeypatch.setattr(local_ops, "_sdpa", recording_local_sdpa)
+    monkeypatch.setattr("griffin.layers.attention.sliding_window_attention", recording_local_attention)
     # SDPA on CPU runs as _scaled_dot_product_flash_attention_for_cpu, which FlopCounterMode does not know.
     counter = FlopCounterMode(display=False,
                               custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop})
