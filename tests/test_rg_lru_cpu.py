@@ -70,3 +70,24 @@ def test_dispatch(gen, monkeypatch):
     torch.testing.assert_close(op.rg_lru(x, gx, ga, lam, 8.0, h0, reset)[0], outs["ref"])
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         op.rg_lru(x, gx, ga, lam, backend="fast")
+
+
+def test_vectorizable_exp_is_accurate_and_keeps_nan():
+    """exp_vectorizable (the kernels' exp) against numpy's: a few ulp on [-708, 709], saturating outside."""
+    import numba
+    import numpy as np
+
+    from griffin.ops.rg_lru_cpu import exp_vectorizable
+
+    @numba.njit
+    def apply(z):
+        out = np.empty_like(z)
+        for k in range(z.size):
+            out[k] = exp_vectorizable(z[k])
+        return out
+
+    z = np.concatenate([np.linspace(-708.0, 709.0, 1_000_003), np.linspace(-1.0, 1.0, 10_001), [0.0, -0.0]])
+    rel = np.abs(apply(z) / np.exp(z) - 1.0)
+    assert rel.max() < 1e-15
+    edge = apply(np.array([-1e4, -np.inf, 1e4, np.inf, np.nan]))
+    assert 0.0 < edge[0] == edge[1] < 1e-307 and 1e307 < edge[2] == edge[3] < np.inf and np.isnan(edge[4])
