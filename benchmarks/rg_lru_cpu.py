@@ -1,0 +1,95 @@
+"""The RG-LRU operator on CPU (Section 2.4): the fused numba kernel against the unfused paths, on the same inputs.
+
+    fused     rg_lru backend "cpu": gates, decay, sqrt(1 - a^2) and the scan in one numba pass each way
+    unfused   rg_lru backend "torch": the gate math in PyTorch (vectorised), then griffin's numba scan
+    assoc     the gate math in PyTorch, then the associative scan (scan backend "assoc")
+
+Timed forward (no autograd) and forward+backward (backward of the sum of y), median of --repeats after a warm-up,
+interleaved per shape so that host load drifts hit every path alike. GB/s = bytes an ideal fused kernel must move
+(forward: read x, gate_x, gate_a, write y; backward additionally read dy and write three gradients) / time.
+
+    python benchmarks/rg_lru_cpu.py                       # fp32, a few training and prefill shapes
+    python benchmarks/rg_lru_cpu.py --shapes 8x2048x1024 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from griffin.bench import machine_info, median_time
+from griffin.ops.rg_lru import rg_lru
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PATHS = {"fused": ("cpu", None), "unfused": ("torch", "cpu"), "assoc": ("torch", "assoc")}
+
+
+def run(path: str, x, gx, ga, lam, reset, backward: bool) -> None:
+    backend, scan = PATHS[path]
+    previous = os.environ.get("GRIFFIN_SCAN_BACKEND")
+    if scan:
+        os.environ["GRIFFIN_SCAN_BACKEND"] = scan
+    try:
+        if backward:
+            y, _ = rg_lru(x, gx, ga, lam, 8.0, None, reset, backend=backend)
+            y.sum().backward()
+        else:
+            with torch.no_grad():
+                rg_lru(x, gx, ga, lam, 8.0, None, reset, backend=backend)
+    finally:
+        if scan:
+            os.environ.pop("GRIFFIN_SCAN_BACKEND")
+            if previous is not None:
+                os.environ["GRIFFIN_SCAN_BACKEND"] = previous
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["4x1024x336", "8x2048x320", "16x1024x256", "2x4096x1024"],
+                   help="BxTxD shapes (defaults: the Figure 9b Hawk, Figure 3, the inference prefill, a wide one)")
+    p.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=list(PATHS))
+    p.add_argument("--resets", type=float, default=0.0, help="probability of a document start per token")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results/rg_lru_cpu.json")
+    args = p.parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    info = machine_info(torch.device("cpu"))
+    print(f"{info['cpu']}, {info['threads']} threads, {args.dtype}; load average {info['load_average'][0]:.2f}")
+    print("| B×T×D | path | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s | fwd vs fused | fwd+bwd vs fused |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for shape in args.shapes:
+        B, T, D = (int(n) for n in shape.split("x"))
+        g = torch.Generator().manual_seed(0)
+        x, gx, ga = (torch.randn(B, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
+        lam = torch.randn(D, generator=g).requires_grad_()
+        reset = torch.rand(B, T, generator=g) < args.resets if args.resets else None
+        size = B * T * D * x.element_size()
+        inputs = (x, gx, ga, lam, reset)
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in args.paths}
+        for _ in range(args.repeats):  # interleaved rounds
+            for name in args.paths:
+                times[name].append((median_time(lambda name=name, a=inputs: run(name, *a, False), 1),
+                                    median_time(lambda name=name, a=inputs: run(name, *a, True), 1)))
+        med = {name: tuple(sorted(t[i] for t in ts)[len(ts) // 2] for i in (0, 1)) for name, ts in times.items()}
+        base = med.get("fused", next(iter(med.values())))
+        for name, (fwd, fb) in med.items():
+            row = dict(shape=shape, path=name, forward_s=fwd, forward_backward_s=fb,
+                       forward_gbs=4 * size / fwd / 1e9, forward_backward_gbs=12 * size / fb / 1e9)
+            rows.append(row)
+            print(f"| {shape} | {name} | {1e3 * fwd:.1f} | {row['forward_gbs']:.1f} | {1e3 * fb:.1f} | "
+                  f"{row['forward_backward_gbs']:.1f} | {fwd / base[0]:.2f} | {fb / base[1]:.2f} |", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
