@@ -62,11 +62,11 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
         useful[0] += 4 * q.shape[-1] * pairs
         return original(self, q, k, v, mask, causal)
 
-    local_sdpa, local_attention = local_ops._sdpa, local_ops.sliding_window_attention
+    local_sdpa, local_attention = local_ops.fused_sdpa, local_ops.sliding_window_attention
 
-    def recording_local_sdpa(q, k, v, mask, scale):  # every chunk: every score computed, masked or not
+    def recording_local_sdpa(q, k, v, mask=None, scale=None, causal=False):  # every score, masked or not
         record_executed(q, k)
-        return local_sdpa(q, k, v, mask, scale)
+        return local_sdpa(q, k, v, mask, scale, causal)
 
     def recording_local_attention(q, k, v, window, scale=None, q_seg=None, k_seg=None):  # (B, T, H, d)
         T = q.shape[1]
@@ -75,7 +75,7 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
         return local_attention(q, k, v, window, scale, q_seg, k_seg)
 
     monkeypatch.setattr(MultiQueryAttention, "_sdpa", recording_sdpa)
-    monkeypatch.setattr(local_ops, "_sdpa", recording_local_sdpa)
+    monkeypatch.setattr(local_ops, "fused_sdpa", recording_local_sdpa)
     monkeypatch.setattr("griffin.layers.attention.sliding_window_attention", recording_local_attention)
     # SDPA on CPU runs as _scaled_dot_product_flash_attention_for_cpu, which FlopCounterMode does not know.
     counter = FlopCounterMode(display=False,

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from griffin.ops.local_attention import local_chunk, sliding_window_attention, sliding_window_attention_ref
+from griffin.ops.local_attention import fused_sdpa, local_chunk, sliding_window_attention, sliding_window_attention_ref
 
 
 def inputs(gen, B, T, P, H, Hk, d, dtype, segments, requires_grad=False):
@@ -56,6 +57,32 @@ def test_gradcheck(gen):
     q, k, v, qs, ks = inputs(gen, 2, 13, 3, 2, 1, 4, torch.float64, segments=True, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v: sliding_window_attention(q, k, v, 4, None, qs, ks, chunk=3), (q, k, v))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_sdpa_shares_key_heads_without_enable_gqa_under_a_mask(gen, monkeypatch, kv_heads, masked):
+    """Query head h uses key/value head h // (H / H_kv); with a mask, enable_gqa is never passed (CUDA's fused
+    kernels refuse the pair and PyTorch falls back to the math kernel)."""
+    N, H, L, S, d = 3, 4, 5, 7, 8
+    q = torch.randn(N, H, L, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(N, kv_heads, S, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(N, 1, L, S, generator=gen) < 0.7 if masked else None
+    if masked:
+        mask[..., 0] = True  # no fully masked row
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    out = fused_sdpa(q, k, v, mask, 0.3)
+    G = H // kv_heads
+    ref = original(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert calls[0].get("enable_gqa", False) == (kv_heads != H and not masked)
 
 
 def test_default_chunk_is_a_fraction_of_the_window():

@@ -13,7 +13,7 @@ from griffin.cache import AttentionCache, DecodeState
 from griffin.config import ModelConfig
 from griffin.layers.linear import LinearFn
 from griffin.layers.rope import apply_rope, rope_angles, rotate
-from griffin.ops.local_attention import sliding_window_attention
+from griffin.ops.local_attention import fused_sdpa, sliding_window_attention
 
 
 class DecodeInputs(NamedTuple):
@@ -171,10 +171,7 @@ class MultiQueryAttention(nn.Module):
         cache.segment[:, slots] = segments
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.head_dim**-0.5,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        return fused_sdpa(q, k, v, mask, self.head_dim**-0.5, causal)
 
     def _attend_full(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor | None) -> Tensor:
         if segments is None:

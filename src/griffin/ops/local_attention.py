@@ -3,7 +3,7 @@ itself included, of its own document.
 
 :func:`sliding_window_attention` is the fast path: queries are cut into chunks of C tokens, and a chunk attends to
 the C + window - 1 keys that can reach it, as one batched call of PyTorch's fused attention
-(``F.scaled_dot_product_attention``: FlashAttention's CPU kernel, the memory-efficient kernel on CUDA). Memory is
+(:func:`fused_sdpa`: FlashAttention's CPU kernel, the memory-efficient kernel on CUDA). Memory is
 O(T · (C + window)), never a T × T mask or score matrix; the work is (C + window - 1) / window of the useful work,
 so C is a fraction of the window (:func:`local_chunk`). :func:`sliding_window_attention_ref` is the reference: one
 dense T × T mask, for tests.
@@ -50,9 +50,19 @@ def check_local_inputs(q: Tensor, k: Tensor, v: Tensor, window: int, q_seg: Tens
     return k.shape[1] - T
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
-    """Fused attention on (N, H, L, d) tensors (4-D: the layout PyTorch's fused CPU kernel takes)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+def fused_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
+               causal: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention`` on (N, H, L, d) queries and (N, H_kv, S, d) keys/values, H a multiple of
+    H_kv (query head h uses key/value head h // (H / H_kv)). With a mask, the key/value heads are broadcast (a
+    zero-stride view when H_kv = 1) rather than passed with ``enable_gqa``: CUDA's fused kernels refuse a mask
+    together with ``enable_gqa``, and PyTorch then silently runs the math kernel, which materialises every score."""
+    H, Hk = q.shape[1], k.shape[1]
+    if Hk == H or mask is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=Hk != H)
+    k, v = (t[:, :, None].expand(t.shape[0], Hk, H // Hk, *t.shape[2:]).reshape(t.shape[0], H, *t.shape[2:])
+            for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
 def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
@@ -66,7 +76,7 @@ def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, s
     mask = (delta >= 0) & (delta < window)
     if q_seg is not None:
         mask = (mask & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None]
-    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+    out = fused_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
     return out.transpose(1, 2)
 
 
@@ -105,16 +115,16 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale
         ks = F.pad(k_seg[:, P - keep :], (front, back)).unfold(1, span, C)  # (B, n, span)
         same = (qs[..., :, None] == ks[..., None, :]) | (i + j >= T)
         mask = band & (i + r >= front) & same  # (B, n, C, span)
-        out = _sdpa(qc, kc, vc, mask.transpose(0, 1).reshape(n * B, 1, C, span), scale)
+        out = fused_sdpa(qc, kc, vc, mask.transpose(0, 1).reshape(n * B, 1, C, span), scale)
     else:  # only the first chunks see zero keys: mask them per chunk, the rest with the shared band
         h = min(n, -(-front // C))
         outs = []
         if h:
             i = torch.arange(h, device=q.device)[:, None, None] * C
             head = (band & (i + r >= front))[:, None].expand(h, B, C, span).reshape(h * B, 1, C, span)
-            outs.append(_sdpa(qc[: h * B], kc[: h * B], vc[: h * B], head, scale))
+            outs.append(fused_sdpa(qc[: h * B], kc[: h * B], vc[: h * B], head, scale))
         if h < n:
-            outs.append(_sdpa(qc[h * B :], kc[h * B :], vc[h * B :], band, scale))
+            outs.append(fused_sdpa(qc[h * B :], kc[h * B :], vc[h * B :], band, scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = out.view(n, B, H, C, d).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, d)
     return out[:, :T]
