@@ -19,14 +19,12 @@ GFLOP/s" counts 4·d FLOPs per (query, key) pair the window lets a query see, wh
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from griffin.bench import machine_info, median_time, sync
+from griffin.bench import machine_info, median_time, sync, write_json
 from griffin.ops.local_attention import local_chunk, sliding_window_attention, sliding_window_attention_ref
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -144,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             fb_ms, fb_ratio = ("–", "–") if fb is None else (f"{1e3 * fb:.1f}", f"{fb / base[1]:.2f}")
             print(f"| {T} | {name} | {1e3 * fwd:.1f} | {fb_ms} | {row['useful_gflops_forward']:.1f} | "
                   f"{fwd / base[0]:.2f} | {fb_ratio} |", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows), indent=1))
-    print(f"wrote {out}")
+    write_json(args.out, dict(machine=info, args=vars(args), rows=rows))
     return 0
 
 

@@ -15,13 +15,11 @@ interleaved per shape so that host load drifts hit every path alike. GB/s = byte
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 
-from griffin.bench import machine_info, median_time
+from griffin.bench import machine_info, median_time, write_json
 from griffin.ops.rg_lru import rg_lru
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -84,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"| {shape} | {name} | {1e3 * fwd:.1f} | {row['forward_gbs']:.1f} | {1e3 * fb:.1f} | "
                   f"{row['forward_backward_gbs']:.1f} | {fwd / base[0]:.2f} | {fb / base[1]:.2f} |", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(machine=info, args=vars(args), rows=rows), indent=1))
-    print(f"wrote {out}")
+    write_json(args.out, dict(machine=info, args=vars(args), rows=rows))
     return 0
 
 

@@ -214,6 +214,14 @@ def run_hf(hf: Any, prompts: Tensor, n: int) -> Run:
     return Run(total, float("nan"), float("nan"), out[:, prompts.shape[1] :].cpu())
 
 
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write a benchmark's results as JSON, creating the folder, and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def median_time(step: Callable[[], None], repeats: int) -> float:
     """Median seconds of ``step()`` over ``repeats`` calls after one warm-up call (compilation, allocator)."""
     step()

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Work per query is (C + window - 1) keys for window useful ones. Measured on a 2-core CPU (FlashAttention CPU
-# kernel, fp32, T = 4096, forward and forward+backward): C = window / 4 is within 10% of the best chunk at windows
-# 256, 1024 and 2048, C = window is 1.3-1.7x slower, and chunks below 64 queries lose to per-chunk overhead.
+# kernel, fp32, T = 4096, forward+backward; benchmarks/local_attention.py --chunks-only): C = window / 4 within
+# [64, 256] is within 10% of the best chunk at windows 256, 1024 and 2048, C = window is 1.4x slower at windows 256
+# and 1024, and chunks of 32 queries lose 1.4-1.7x to per-chunk overhead.
 MIN_CHUNK, MAX_CHUNK = 64, 256
 
 
