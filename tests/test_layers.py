@@ -388,3 +388,18 @@ def test_prepacked_linear(gen, dtype):
     with torch.no_grad():
         w.add_(1.0)  # the packed copy does not follow: one packing per generation
     assert not torch.allclose(linear(x, w, b), F.linear(x, w, b), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not can_prepack(torch.zeros(1, 1)), reason="PyTorch without oneDNN")
+def test_prepacked_linear_is_an_opaque_op_under_compile(gen):
+    """Under torch.compile the packed matmul runs as griffin::prepacked_linear (inductor cannot lower oneDNN's op):
+    a compiled call traces it through its fake implementation, runs it, and equals the eager call."""
+    w, b = rand(gen, 24, 16).float(), rand(gen, 24).float()
+    linear = PrepackedLinear([w], batch_size=5)
+    x = rand(gen, 5, 16).float()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: linear(x, w, b), fullgraph=True)
+    with torch.profiler.profile() as prof:
+        out = compiled(x)
+    assert any(e.name == "griffin::prepacked_linear" for e in prof.events())
+    assert torch.equal(out, linear(x, w, b))

@@ -158,7 +158,7 @@ class Decoder:
     model's own logits). If something else advances the cache in between (e.g. ``model(ids, cache=cache)``),
     the state is derived again.
 
-    ``prepack`` (default: on CPU, in eager mode): the weight matmuls use copies of the weights laid out for
+    ``prepack`` (default: on CPU, eager or compiled): the weight matmuls use copies of the weights laid out for
     oneDNN (:class:`griffin.layers.linear.PrepackedLinear`), made here: faster, equal to the generic path up to
     float32 rounding, blind to later changes of the weights, and as large as the weights while the decoder lives
     (pass ``prepack=False`` where memory is tight). With ``prepack=False`` a step gives the logits
@@ -171,7 +171,7 @@ class Decoder:
         self.model, self.cache, self.compile = model, cache, compile
         self.step_fn = compiled_decode_step(model.device) if compile else type(model).decode_step
         if prepack is None:
-            prepack = not compile and can_prepack(model.output_weight)
+            prepack = can_prepack(model.output_weight)
         self.linear: LinearFn = F.linear
         if prepack:
             weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.output_weight]
