@@ -60,6 +60,18 @@ def test_generate_command(tmp_path, gen, capsys):
     assert "top_p=0.0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_generate_compiled_gives_the_same_greedy_text(tmp_path, capsys):
+    torch.manual_seed(0)
+    CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256)).save_pretrained(tmp_path / "m")
+    base = ["generate", str(tmp_path / "m"), "--tokenizer", "bytes", "--max-new-tokens", "12", "--temperature", "0",
+            "--prompt", "hello"]
+    assert main(base) == 0
+    eager = capsys.readouterr().out
+    assert main([*base, "--compile"]) == 0
+    assert capsys.readouterr().out == eager
+
+
 def test_tokenizer_and_prepare_commands(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
