@@ -15,41 +15,33 @@ interleaved per shape so that host load drifts hit every path alike. GB/s = byte
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from griffin.bench import machine_info, median_time, write_json
-from griffin.ops.rg_lru import rg_lru
+from griffin.ops.rg_lru import rg_lru, rg_lru_gates
+from griffin.ops.scan import linear_scan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PATHS = {"fused": ("cpu", None), "unfused": ("torch", "cpu"), "assoc": ("torch", "assoc")}
+SCANS = {"unfused": "cpu", "assoc": "assoc"}  # the scan after the PyTorch gate math
 
 
 def run(path: str, x, gx, ga, lam, reset, backward: bool) -> None:
-    backend, scan = PATHS[path]
-    previous = os.environ.get("GRIFFIN_SCAN_BACKEND")
-    if scan:
-        os.environ["GRIFFIN_SCAN_BACKEND"] = scan
-    try:
-        if backward:
-            y, _ = rg_lru(x, gx, ga, lam, 8.0, None, reset, backend=backend)
-            y.sum().backward()
+    with torch.set_grad_enabled(backward):
+        if path == "fused":
+            y, _ = rg_lru(x, gx, ga, lam, 8.0, None, reset, backend="cpu")
         else:
-            with torch.no_grad():
-                rg_lru(x, gx, ga, lam, 8.0, None, reset, backend=backend)
-    finally:
-        if scan:
-            os.environ.pop("GRIFFIN_SCAN_BACKEND")
-            if previous is not None:
-                os.environ["GRIFFIN_SCAN_BACKEND"] = previous
+            a, b = rg_lru_gates(x, gx, ga, lam, 8.0, reset)
+            y, _ = linear_scan(a, b, None, reset, backend=SCANS[path])
+        if backward:
+            y.sum().backward()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["4x1024x336", "8x2048x320", "16x1024x256", "2x4096x1024"],
                    help="BxTxD shapes (defaults: the Figure 9b Hawk, Figure 3, the inference prefill, a wide one)")
-    p.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=list(PATHS))
+    p.add_argument("--paths", nargs="+", choices=["fused", *SCANS], default=["fused", *SCANS])
     p.add_argument("--resets", type=float, default=0.0, help="probability of a document start per token")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--repeats", type=int, default=5)
