@@ -2,7 +2,9 @@
 
 Times the fused Triton kernel (:mod:`griffin.ops.rg_lru_triton`) against, in the same run, a large device-to-device
 copy (the practical bandwidth limit), the naive PyTorch loop (:func:`griffin.ops.rg_lru.rg_lru_ref`), torch.compile
-of the gate math plus ``associative_scan``, and the accelerated-scan / fla HGRN kernels when they are importable.
+of the gate math plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
+(``benchmarks/scan_peers.py`` says how, without internet). Every implementation is first checked against the
+float64 reference (output and gradients, B=2, T=300, D=96) and left out, with a note, if it is wrong.
 Forward, backward and forward+backward, bf16 I/O. Achieved bandwidth = bytes an ideal fused kernel must move / time:
 forward reads x, gate_x, gate_a and writes y (4 arrays); backward reads x, gate_x, gate_a, dy and writes dx, dgate_x,
 dgate_a (7 arrays). Medians of ``triton.testing.do_bench`` (eager, L2 flushed between calls) and, for the Triton
@@ -32,8 +34,12 @@ from triton.testing import do_bench, do_bench_cudagraph
 import griffin.ops.rg_lru_triton as kernels
 from griffin.ops.rg_lru import rg_lru_gates, rg_lru_ref
 
+sys.path.insert(0, str(Path(__file__).parent))
+from scan_peers import max_rel_error, peer_scans  # noqa: E402
+
 C = 8.0
 ARRAYS = {"fwd": 4, "bwd": 7, "fwd+bwd": 11}  # (B, T, D) arrays an ideal fused kernel reads + writes
+MAX_REL_ERROR = 2e-2  # of y and of the gradients against float64, with bf16 inputs and outputs
 Inputs = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
@@ -79,34 +85,6 @@ def compiled_gates_and_scan() -> Callable[..., tuple[Tensor, Tensor]]:
         return h.to(x.dtype), h[:, -1]
 
     return torch.compile(fn, dynamic=False)
-
-
-def external_kernels() -> dict[str, Callable[..., tuple[Tensor, Tensor]] | str]:
-    """accelerated-scan and fla HGRN scans after PyTorch gate math, or why they are skipped."""
-    found: dict[str, Callable[..., tuple[Tensor, Tensor]] | str] = {}
-    try:
-        from accelerated_scan.triton import scan as accelerated_scan
-
-        def accel(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> tuple[Tensor, Tensor]:
-            a, b = rg_lru_gates(x, gate_x, gate_a, a_param, C, None)  # scan over the last axis, (B, D, T)
-            h = accelerated_scan(a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()).transpose(1, 2)
-            return h, h[:, -1].float()
-
-        found["accelerated-scan"] = accel
-    except ImportError as err:
-        found["accelerated-scan"] = f"not importable ({err})"
-    try:
-        from fla.ops.hgrn import fused_recurrent_hgrn
-
-        def hgrn(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> tuple[Tensor, Tensor]:
-            a, b = rg_lru_gates(x, gate_x, gate_a, a_param, C, None)  # h = exp(g) h + x
-            h, _ = fused_recurrent_hgrn(b, torch.log(a.float()).to(b.dtype))
-            return h, h[:, -1].float()
-
-        found["fla-hgrn"] = hgrn
-    except ImportError as err:
-        found["fla-hgrn"] = f"not importable ({err})"
-    return found
 
 
 def time_impl(fn: Callable[..., tuple[Tensor, Tensor]], inputs: Inputs, quick: bool) -> dict[str, float]:
@@ -181,10 +159,22 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "torch.compile": compiled_gates_and_scan(),
         "pytorch-loop": lambda *t: rg_lru_ref(*t, C),
     }
-    impls.update(external_kernels())
+    impls.update(peer_scans())
+    check, errors = make_inputs(2, 512, 96, torch.bfloat16, seed=1), {}
+    for name, fn in list(impls.items()):
+        if isinstance(fn, str):
+            continue
+        try:
+            errors[name] = max_rel_error(fn, *check)
+        except Exception as err:  # e.g. no backward: the timing below falls back to the forward alone
+            errors[name] = f"reference check failed: {_error(err)}"
+            continue
+        print(f"  {name}: relative error {errors[name]:.2e} against the float64 reference", flush=True)
+        if not errors[name] <= MAX_REL_ERROR:  # NaN too
+            impls[name] = f"wrong: relative error {errors[name]:.2e} against the float64 reference"
     steps_list = [512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
     shapes = [(8, t, 1024) for t in steps_list] + [(1, t, 2560) for t in steps_list]
-    result = {"device": props.name, "copy": copy, "rows": [], "notes": {}}
+    result = {"device": props.name, "copy": copy, "reference_errors": errors, "rows": [], "notes": {}}
     notes = result["notes"]
     notes.update({name: fn for name, fn in impls.items() if isinstance(fn, str)})
     forward_only: set[str] = set()
