@@ -16,6 +16,7 @@ median of the per-round medians is kept, so that load from other processes hits 
 
     python benchmarks/decode_profile.py                         # Griffin, batch 16, 1024-token prompt
     python benchmarks/decode_profile.py --families hawk mqa griffin --compile
+    python benchmarks/decode_profile.py --prompt 1 --compile --trace   # + where each path's step goes
 """
 
 from __future__ import annotations
@@ -93,6 +94,25 @@ def ops_per_step(loop: Callable[[Callable[[], None]], None]) -> float:
     return statistics.median(b - a for a, b in zip(counts[1:], counts[2:], strict=False))
 
 
+def trace(loop: Callable[[Callable[[], None]], None], top: int = 10) -> list[dict]:
+    """Self CPU time and calls per step of the ``top`` operators (``torch.profiler`` from the second token to the
+    last of one run: the prefill and the first step are left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof, stamps = profile(activities=[ProfilerActivity.CPU]), []
+
+    def on_token() -> None:
+        stamps.append(None)
+        if len(stamps) == 2:
+            prof.start()
+
+    loop(on_token)
+    prof.stop()
+    steps = len(stamps) - 2
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [dict(op=e.key, calls=e.count / steps, self_us=e.self_cpu_time_total / steps) for e in events]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=["griffin"], choices=["mqa", "hawk", "griffin"])
@@ -103,6 +123,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--trace", action="store_true", help="also print each path's operators by self CPU time per step")
     p.add_argument("--out", default="benchmarks/results/decode_profile.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -140,6 +161,12 @@ def main() -> None:
           f"tokens, median of {args.rounds} rounds; load average {load[0]:.2f} (1 min)")
     print(table(rows, [("family", "family", ""), ("path", "path", ""), ("step ms", "step_ms", ".2f"),
                        ("aten ops/step", "ops", ".0f"), ("HF step / step", "vs_hf", ".2f")]))
+    if args.trace:
+        for row, loop in zip(rows, paths.values(), strict=True):
+            row["trace"] = trace(loop)
+            print(f"\n{row['family']} {row['path']}: operators by self CPU time per step (torch.profiler)")
+            print(table(row["trace"], [("operator", "op", ""), ("calls/step", "calls", ".1f"),
+                                       ("self µs/step", "self_us", ".0f")]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(args=vars(args), load_average=load, rows=rows), indent=2) + "\n")
