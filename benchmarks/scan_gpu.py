@@ -4,7 +4,7 @@ Times the fused Triton kernel (:mod:`griffin.ops.rg_lru_triton`) against, in the
 copy (the practical bandwidth limit), the naive PyTorch loop (:func:`griffin.ops.rg_lru.rg_lru_ref`), torch.compile
 of the gate math plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
 (``benchmarks/scan_peers.py`` says how, without internet). Every implementation is first checked against the
-float64 reference (output and gradients, B=2, T=300, D=96) and left out, with a note, if it is wrong.
+float64 reference (output and gradients, B=2, T=512, D=96) and left out, with a note, if it is wrong.
 Forward, backward and forward+backward, bf16 I/O. Achieved bandwidth = bytes an ideal fused kernel must move / time:
 forward reads x, gate_x, gate_a and writes y (4 arrays); backward reads x, gate_x, gate_a, dy and writes dx, dgate_x,
 dgate_a (7 arrays). Medians of ``triton.testing.do_bench`` (eager, L2 flushed between calls) and, for the Triton

@@ -28,8 +28,9 @@ def can_prepack(weight: Tensor) -> bool:
 
 
 # An opaque operator for ``torch.compile`` (inductor cannot lower oneDNN's packed matmul with a weight that is an
-# input, so it calls this as it is). Defined with ``torch.library.Library`` rather than ``custom_op``: the latter's
-# per-call checks cost ~25 us, which on the 39 matmuls of a decode step was ~1 ms of a 6 ms step.
+# input, so it calls this as it is). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
+# per-call output checks, on the 39 matmuls of a step, made the compiled decode step 13-23% slower
+# (docs/performance.md, "Inference").
 _LIB = torch.library.Library("griffin", "FRAGMENT")
 _LIB.define("prepacked_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
 
@@ -66,4 +67,4 @@ class PrepackedLinear:
             return F.linear(x, weight, bias)
         if torch.compiler.is_compiling():
             return torch.ops.griffin.prepacked_linear.default(x, entry[1], bias)
-        return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+        return prepacked_linear(x, entry[1], bias)
