@@ -9,7 +9,7 @@ from griffin import CausalLM, ModelConfig
 from griffin.cache import Cache, cache_bytes
 from griffin.generate import Decoder, prefill, sample
 from griffin.layers.linear import PrepackedLinear, can_prepack
-from tests.conftest import perturb_
+from tests.conftest import DEVICES, perturb_
 
 FAMILIES = ["mqa", "hawk", "griffin"]
 
@@ -258,11 +258,12 @@ def test_prepacked_decoder_is_the_forward_path_up_to_rounding(gen, family, dtype
         torch.testing.assert_close(copy.tensors()[name], t, atol=tol, rtol=tol, msg=name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
-def test_decoder_equals_full_forward(gen, family):
-    model = tiny(family, gen)
-    ids = torch.randint(0, 32, (3, 30), generator=gen)
+def test_decoder_equals_full_forward(gen, family, device):
+    model = tiny(family, gen).to(device)
+    ids = torch.randint(0, 32, (3, 30), generator=gen).to(device)
     full = model(ids)
     logits, cache = prefill(model, ids[:, :4], max_length=30)
     decoder = Decoder(model, cache)
@@ -328,11 +329,13 @@ def test_decoder_checks_once(gen):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
-def test_compiled_decoder_matches_eager(gen, family):
-    """``compile=True`` (torch.compile of the decode step): the same tokens, logits within 1e-5."""
-    model = tiny(family, gen)
+def test_compiled_decoder_matches_eager(gen, family, device):
+    """``compile=True`` (torch.compile of the decode step; on CUDA replayed as a CUDA graph): the same tokens,
+    logits within 1e-5."""
+    model = tiny(family, gen).to(device)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (2, 9, 5)]
     logits, eager_cache = prefill(model, prompts, max_length=40)
     compiled_cache = eager_cache.copy()

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from griffin.ops.local_attention import fused_sdpa, local_chunk, sliding_window_attention, sliding_window_attention_ref
+from tests.conftest import DEVICES
 
 
 def inputs(gen, B, T, P, H, Hk, d, dtype, segments, requires_grad=False):
@@ -36,13 +37,17 @@ def test_matches_reference_float64(gen, trial):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("segments", [False, True])
-def test_matches_float64_reference_with_gradients(gen, dtype, segments):
+def test_matches_float64_reference_with_gradients(gen, dtype, segments, device):
+    """Also on CUDA, where the chunks go through the fused (flash / memory-efficient) SDPA kernels."""
     B, T, P, H, d, window = 2, 157, 9, 4, 16, 37
-    q, k, v, qs, ks = inputs(gen, B, T, P, H, 1, d, dtype, segments, requires_grad=True)
+    q, k, v, qs, ks = inputs(gen, B, T, P, H, 1, d, dtype, segments)
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    qs, ks = (None, None) if qs is None else (qs.to(device), ks.to(device))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    dout = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
+    dout = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64).to(device)
     out = sliding_window_attention(q, k, v, window, 0.3, qs, ks, chunk=16)
     ref = sliding_window_attention_ref(q64, k64, v64, window, 0.3, qs, ks)
     (out.double() * dout).sum().backward()
