@@ -133,6 +133,18 @@ def test_grad_accumulation_matches_a_bigger_batch(dataset, tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_chunked_loss_matches_the_whole_loss(dataset, tmp_path):
+    """``loss_chunk``: the same losses and weights as computing every logit at once (to float32 rounding)."""
+    whole = Trainer(tiny(dataset, tmp_path / "a"))
+    chunked = Trainer(tiny(dataset, tmp_path / "b", loss_chunk=7))
+    for _ in range(3):
+        a, b = whole.train_step(), chunked.train_step()
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert whole.evaluate() == pytest.approx(chunked.evaluate(), rel=1e-5)
+    for p, q in zip(whole.model.parameters(), chunked.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 # A run, its outputs, and exact resume ---------------------------------------------------------------------------
 def test_training_run_writes_everything(dataset, tmp_path):
     result = train(tiny(dataset, tmp_path / "run", tensorboard=True, max_steps=12, keep_last=1))

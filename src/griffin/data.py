@@ -31,11 +31,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from griffin.ops.cross_entropy import IGNORE_INDEX
+
 FORMAT = "griffin-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-IGNORE_INDEX = -100
 
 TEXT_SUFFIXES = frozenset({
     ".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".html", ".htm", ".xml", ".csv", ".tsv",

@@ -15,6 +15,7 @@ from griffin.layers import GatedMLP, MultiQueryAttention, RecurrentBlock, RMSNor
 from griffin.layers.attention import DecodeInputs
 from griffin.layers.linear import LinearFn
 from griffin.layers.rope import rope_angles
+from griffin.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy
 
 
 class ResidualBlock(nn.Module):
@@ -128,8 +129,13 @@ class CausalLM(nn.Module):
         return logits
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: Cache | None = None,
-                logits_to_keep: int | None = None) -> Tensor:
+                logits_to_keep: int | None = None, targets: Tensor | None = None, loss_chunk: int = 0) -> Tensor:
         """Logits (B, T, vocab), or (B, logits_to_keep, vocab) of the last positions only (a prefill needs the last).
+
+        With ``targets`` (B, T) (token ids; -100 = no target), the summed cross-entropy of the logits over the
+        targets instead (a scalar, float32): all logits at once if ``loss_chunk`` is 0, else ``loss_chunk`` rows
+        at a time (:func:`griffin.ops.cross_entropy.chunked_cross_entropy`: the (B·T, vocab) logits are never held
+        whole, for large vocabularies).
 
         ``positions`` (B, T) is each token's position in its document: a 0 starts a new document, which sees
         nothing of the previous one, and -1 marks a padding token that nothing sees. Default: the sequence
@@ -141,6 +147,9 @@ class CausalLM(nn.Module):
         if logits_to_keep is not None and (isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int)
                                            or not 1 <= logits_to_keep <= T):
             raise ValueError(f"logits_to_keep={logits_to_keep!r} must be None or an int in [1, {T}] (the tokens)")
+        if targets is not None and (targets.shape != input_ids.shape or logits_to_keep is not None):
+            raise ValueError(f"targets must have the shape of input_ids {tuple(input_ids.shape)} and come without "
+                             f"logits_to_keep, got {tuple(targets.shape)} and logits_to_keep={logits_to_keep}")
         if cache is not None:
             self.check_cache(cache, B)
         if positions is None:
@@ -168,7 +177,13 @@ class CausalLM(nn.Module):
             cache.step += T
             cache.segment.add_(reset.sum(1))
             cache.position.copy_(positions[:, -1].clamp(min=-1) + 1)
-        return self.logits(x if logits_to_keep is None else x[:, T - logits_to_keep :])
+        if targets is None:
+            return self.logits(x if logits_to_keep is None else x[:, T - logits_to_keep :])
+        if loss_chunk:
+            return chunked_cross_entropy(self.final_norm(x), self.output_weight, targets,
+                                         self.config.logits_soft_cap, loss_chunk)
+        return F.cross_entropy(self.logits(x).float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
 
     def decode_step(self, tokens: Tensor, cache: Cache, state: DecodeState, kv_len: int | None = None,
                     linear: LinearFn = F.linear) -> Tensor:

@@ -61,6 +61,8 @@ class TrainConfig:
     precision: str = _opt("auto", "'auto' (bf16 autocast where supported on CUDA, else fp32), 'fp32' or 'bf16'",
                           choices=("auto", "fp32", "bf16"))
     compile: bool = _opt(False, "torch.compile the model")
+    loss_chunk: int = _opt(0, "rows of logits at a time in the loss (0: all at once); e.g. 4096 for a large "
+                              "vocabulary, whose (tokens, vocab) logits would not fit")
     threads: int = _opt(0, "CPU threads for torch (0: torch's default)")
     # Evaluation, logging, checkpoints
     eval_interval: int = _opt(50, "evaluate on the validation split every N steps (and at the end)")
@@ -100,7 +102,7 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
-        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens"):
+        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens", "loss_chunk"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         if not self.lr > 0:

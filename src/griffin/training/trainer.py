@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from griffin.checkpoint import CheckpointError
 from griffin.model import CausalLM
+from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.training.checkpoint import (
     fault_point,
     find_resumable,
@@ -34,8 +34,6 @@ from griffin.training.checkpoint import (
 )
 from griffin.training.config import TrainConfig
 from griffin.training.distributed import init_distributed
-
-IGNORE = -100
 
 
 class TrainingError(RuntimeError):
@@ -262,15 +260,14 @@ class Trainer:
         positions = batch.positions.to(self.device, non_blocking=True)
         targets = batch.targets.to(self.device, non_blocking=True)
         with self._autocast():
-            logits = self.forward(ids, positions)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        return loss, (targets != IGNORE).sum()
+            loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk)
+        return loss, (targets != IGNORE_INDEX).sum()
 
     def train_step(self) -> dict[str, float]:
         """One optimizer update over ``grad_accum`` micro-batches; the loss is the mean over all their targets."""
         cfg = self.cfg
         batches = [next(self.loader) for _ in range(cfg.grad_accum)]
-        local = sum(int((b.targets != IGNORE).sum()) for b in batches)
+        local = sum(int((b.targets != IGNORE_INDEX).sum()) for b in batches)
         count = max(int(self.dist.sum(torch.tensor(local, device=self.device))), 1)
         # DDP averages gradients over ranks, so each rank scales its sum by world_size / (targets on all ranks).
         scale = self.dist.world_size / count
