@@ -346,9 +346,11 @@ def test_data_parallel_over_two_processes_matches_one(dataset, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_training_matches_eager(dataset, tmp_path):
+@pytest.mark.parametrize("loss_chunk", [0, 7])
+def test_compiled_training_matches_eager(dataset, tmp_path, loss_chunk):
     eager = train(tiny(dataset, tmp_path / "eager", max_steps=3, ckpt_interval=3))
-    compiled = train(tiny(dataset, tmp_path / "compiled", max_steps=3, ckpt_interval=3, compile=True))
+    compiled = train(tiny(dataset, tmp_path / "compiled", max_steps=3, ckpt_interval=3, compile=True,
+                          loss_chunk=loss_chunk))
     ref, got = losses(eager.out), losses(compiled.out)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
