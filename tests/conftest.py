@@ -11,13 +11,12 @@ import types
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # (CUDA below)
+CUDA = torch.cuda.is_available()
+if not CUDA:
     # Triton kernels run in the interpreter on CPU. It must be set before anything imports triton, and
     # torch.compile (test_compile, the numba ops' torch.compiler.disable) imports it early.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-CUDA = torch.cuda.is_available()
 # Tests parametrised over devices run on the CPU everywhere and, where there is a GPU, on it too (full size).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
 

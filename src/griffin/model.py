@@ -133,9 +133,9 @@ class CausalLM(nn.Module):
         """Logits (B, T, vocab), or (B, logits_to_keep, vocab) of the last positions only (a prefill needs the last).
 
         With ``targets`` (B, T) (token ids; -100 = no target), the summed cross-entropy of the logits over the
-        targets instead (a scalar, float32): all logits at once if ``loss_chunk`` is 0, else ``loss_chunk`` rows
-        at a time (:func:`griffin.ops.cross_entropy.chunked_cross_entropy`: the (B·T, vocab) logits are never held
-        whole, for large vocabularies).
+        targets instead (a scalar, float32 or wider): all logits at once if ``loss_chunk`` is 0, else
+        ``loss_chunk`` rows at a time (:func:`griffin.ops.cross_entropy.chunked_cross_entropy`: the (B·T, vocab)
+        logits are never held whole, for large vocabularies).
 
         ``positions`` (B, T) is each token's position in its document: a 0 starts a new document, which sees
         nothing of the previous one, and -1 marks a padding token that nothing sees. Default: the sequence
