@@ -119,7 +119,7 @@ def test_model_loss_mode(gen, family):
         loss = model(ids, targets=targets, loss_chunk=loss_chunk)
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
         for got, ref in zip(torch.autograd.grad(loss, list(model.parameters())), want_grads, strict=True):
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5 * ref.abs().max().item())  # fp32 rounding
     with pytest.raises(ValueError, match="targets must have the shape of input_ids"):
         model(ids, targets=targets[:, :5])
     with pytest.raises(ValueError, match="without logits_to_keep"):
