@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import sys
-import types
 
 import pytest
 import torch
@@ -22,19 +19,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason
 
 
 def import_official_torch():
-    """``recurrentgemma.torch`` without running ``recurrentgemma/__init__`` (which imports JAX)."""
-    if "recurrentgemma.torch" in sys.modules:
-        return sys.modules["recurrentgemma.torch"]
-    spec = importlib.util.find_spec("recurrentgemma")
-    if spec is None:
-        pytest.skip("recurrentgemma is not installed")
-    if "recurrentgemma" not in sys.modules:
-        pkg = types.ModuleType("recurrentgemma")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        sys.modules["recurrentgemma"] = pkg
-    import recurrentgemma.torch as rg
+    """``recurrentgemma.torch`` (without JAX), or skip the test if the package is not installed."""
+    from griffin.bench import import_official_torch as load
 
-    return rg
+    try:
+        return load()
+    except ImportError as err:
+        pytest.skip(str(err))
 
 
 def perturb_(module: torch.nn.Module, generator: torch.Generator, scale: float = 0.1) -> None:

@@ -8,7 +8,10 @@ Measures, for three models of the same width and depth that differ only in their
 2. maximum throughput (Figure 1b): batch x N / latency after an empty prompt, doubling the batch while the
    predicted memory (parameters + :func:`griffin.cache.cache_bytes` + decode activations) fits a budget;
 3. the same Griffin weights in HF transformers' RecurrentGemma (built by HF, saved, loaded by griffin's
-   importer): greedy outputs compared, and HF's ``generate`` timed beside griffin's at the same batch and lengths;
+   importer) and in the official ``recurrentgemma`` package's PyTorch model (``recurrentgemma.torch.Griffin``,
+   given griffin's weights): greedy outputs compared, and each peer's generation timed beside griffin's at the
+   same batch and lengths (HF through its ``generate``; the official model through its own cache, one call per
+   token, as its ``Sampler`` does);
 4. the memory bandwidth a decode step achieves (Section 5.1: it must read the parameters and the whole cache
    once) as a fraction of the machine's measured copy bandwidth.
 
@@ -23,12 +26,15 @@ its per-token timestamps give the prefill time and the median decode step at no 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +44,7 @@ import torch
 from torch import Tensor
 
 from griffin.cache import cache_bytes
+from griffin.checkpoint import to_official_state
 from griffin.config import ModelConfig, nominal_size
 from griffin.generate import generate_stream
 from griffin.model import CausalLM
@@ -147,6 +154,41 @@ def build_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.dev
     return models, hf_model
 
 
+def import_official_torch() -> Any:
+    """The official package's ``recurrentgemma.torch`` without running ``recurrentgemma/__init__`` (which imports
+    JAX). Raises ImportError if the package is not installed."""
+    if "recurrentgemma.torch" in sys.modules:
+        return sys.modules["recurrentgemma.torch"]
+    spec = importlib.util.find_spec("recurrentgemma")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError("the recurrentgemma package is not installed")
+    if "recurrentgemma" not in sys.modules:
+        package = types.ModuleType("recurrentgemma")
+        package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec  # so that importlib.util.find_spec("recurrentgemma") still answers
+        sys.modules["recurrentgemma"] = package
+    import recurrentgemma.torch as rg
+
+    return rg
+
+
+def official_griffin(model: CausalLM) -> Any:
+    """``recurrentgemma.torch.Griffin`` with ``model``'s weights (a model in RecurrentGemma's conventions, e.g. one
+    loaded from HF), for inference: no gradient checkpointing."""
+    rg = import_official_torch()
+    kinds = {"recurrent": rg.TemporalBlockType.RECURRENT, "local_attention": rg.TemporalBlockType.ATTENTION}
+    c = model.config
+    config = rg.GriffinConfig(
+        vocab_size=c.vocab_size, width=c.width, mlp_expanded_width=c.mlp_width, num_heads=c.num_heads,
+        block_types=tuple(kinds[b] for b in c.block_types), embeddings_scale_by_sqrt_dim=c.embed_scale,
+        attention_window_size=c.attention_window - 1,  # the official mask admits window_size + 1 keys
+        logits_soft_cap=c.logits_soft_cap, lru_width=c.rnn_width,
+    )
+    official = rg.Griffin(config, gradient_checkpointing=False, device=model.device, dtype=model.dtype)
+    official.load_state_dict(to_official_state(model))
+    return official.eval()
+
+
 # Memory model ------------------------------------------------------------------------------------------------
 def param_bytes(model: CausalLM) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -212,6 +254,26 @@ def run_hf(hf: Any, prompts: Tensor, n: int) -> Run:
     sync(device)
     total = time.perf_counter() - start
     return Run(total, float("nan"), float("nan"), out[:, prompts.shape[1] :].cpu())
+
+
+def run_official(official: Any, prompts: Tensor, n: int) -> Run:
+    """Sample ``n`` tokens greedily with the official model and its cache: the prompt in one call, then one call
+    per token (what its ``Sampler`` does, without the tokenizer); tokens go to Python every step, as griffin's."""
+    batch, length = prompts.shape
+    device = prompts.device
+    sync(device)
+    start = time.perf_counter()
+    out = []
+    with torch.no_grad():
+        logits, cache = official(prompts, torch.arange(length, device=device).expand(batch, length))
+        for step in range(n):
+            tokens = logits[:, -1].argmax(-1)
+            out.append(tokens.tolist())
+            if step < n - 1:
+                position = torch.full((batch, 1), length + step, device=device)
+                logits, cache = official(tokens[:, None], position, cache)
+    total = time.perf_counter() - start
+    return Run(total, float("nan"), float("nan"), torch.tensor(out).T)
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
@@ -313,39 +375,66 @@ def max_throughput(rows: list[dict]) -> list[dict]:
     return list(best.values())
 
 
-def check_hf(args: argparse.Namespace, hf: Any, model: CausalLM, device: torch.device) -> dict:
-    """Same weights, same prompts: the prompt logits and ``--check-tokens`` greedy tokens of HF and griffin."""
+@dataclass
+class Peer:
+    """Another implementation of the benchmark's Griffin: its prompt logits and its greedy generation."""
+
+    name: str
+    logits: Callable[[Tensor], Tensor]
+    run: Callable[[Tensor, int], Run]
+
+
+def peers(hf: Any, official: Any) -> list[Peer]:
+    out = []
+    if hf is not None:
+        out.append(Peer("HF", lambda ids: hf(ids, use_cache=False).logits, lambda ids, n: run_hf(hf, ids, n)))
+    if official is not None:
+        def official_logits(ids: Tensor) -> Tensor:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+            return official(ids, positions, return_cache=False)[0]
+
+        out.append(Peer("official", official_logits, lambda ids, n: run_official(official, ids, n)))
+    return out
+
+
+def check_peer(args: argparse.Namespace, peer: Peer, model: CausalLM, device: torch.device) -> dict:
+    """Same weights, same prompts: the prompt logits and ``--check-tokens`` greedy tokens of a peer and griffin."""
     ids = make_prompts(args, args.batch, 64, device)
     with torch.no_grad():
-        diff = (hf(ids, use_cache=False).logits.float() - model(ids).float()).abs().max().item()
+        diff = (peer.logits(ids).float() - model(ids).float()).abs().max().item()
     ours = run_griffin(model, ids, args.check_tokens, args.compile).tokens
-    theirs = run_hf(hf, ids, args.check_tokens).tokens
-    return dict(max_logit_diff=diff, tokens=args.check_tokens, batch=args.batch,
+    theirs = peer.run(ids, args.check_tokens).tokens
+    return dict(peer=peer.name, max_logit_diff=diff, tokens=args.check_tokens, batch=args.batch,
                 token_agreement=(ours == theirs).float().mean().item())
 
 
-def bench_hf(args: argparse.Namespace, hf: Any, model: CausalLM, device: torch.device) -> list[dict]:
-    """griffin's and HF's greedy generation of the same model, same batch, prompts and lengths, interleaved."""
+def bench_peers(args: argparse.Namespace, peer_list: list[Peer], model: CausalLM, device: torch.device) -> list[dict]:
+    """griffin's and each peer's greedy generation of the same model, same batch, prompts and lengths, in turn."""
     prompts = {1: make_prompts(args, args.batch, 1, device), args.prompt: make_prompts(args, args.batch, args.prompt,
                                                                                         device)}
     rows = []
-    with progress(len(prompts) * len(args.hf_lengths) * 2 * args.repeats, "HF vs griffin") as bar:
+    total = len(prompts) * len(args.hf_lengths) * (1 + len(peer_list)) * args.repeats
+    with progress(total, "peers vs griffin") as bar:
         for prompt_len, ids in prompts.items():
             for n in args.hf_lengths:
                 def ours(ids=ids, n=n) -> Run:
                     bar.update()
                     return run_griffin(model, ids, n, args.compile)
 
-                def theirs(ids=ids, n=n) -> Run:
-                    bar.update()
-                    return run_hf(hf, ids, n)
-
-                a, b = median_run(ours, args.repeats), median_run(theirs, args.repeats)
+                a = median_run(ours, args.repeats)
                 tokens = args.batch * n
-                rows.append(dict(batch=args.batch, prompt=prompt_len, tokens=n, griffin_s=a.total_s, hf_s=b.total_s,
-                                 griffin_tok_s=tokens / a.total_s, hf_tok_s=tokens / b.total_s,
-                                 ratio=b.total_s / a.total_s,
-                                 token_agreement=(a.tokens == b.tokens).float().mean().item()))
+                row = dict(batch=args.batch, prompt=prompt_len, tokens=n, griffin_s=a.total_s,
+                           griffin_tok_s=tokens / a.total_s)
+                for peer in peer_list:
+                    def theirs(ids=ids, n=n, peer=peer) -> Run:
+                        bar.update()
+                        return peer.run(ids, n)
+
+                    b = median_run(theirs, args.repeats)
+                    row.update({f"{peer.name}_s": b.total_s, f"{peer.name}_tok_s": tokens / b.total_s,
+                                f"ratio_{peer.name}": b.total_s / a.total_s,
+                                f"agree_{peer.name}": (a.tokens == b.tokens).float().mean().item()})
+                rows.append(row)
     return rows
 
 
@@ -459,9 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--memory-gb", type=float, help="memory budget (GiB) that caps the throughput batch")
     r.add_argument("--min-batch", type=int, help="first throughput batch, then doubled")
     r.add_argument("--max-batch", type=int, help="largest throughput batch")
-    r.add_argument("--hf-lengths", type=int, nargs="+", help="tokens sampled in the HF comparison")
+    r.add_argument("--hf-lengths", type=int, nargs="+", help="tokens sampled in the HF / official comparison")
     r.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
-    r.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared between HF and griffin")
+    r.add_argument("--no-official", action="store_true",
+                   help="skip the comparison with the official recurrentgemma package's PyTorch model")
+    r.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared between each peer and griffin")
     r.add_argument("--repeats", type=int, default=1, help="timed runs per point (the median is kept)")
     r.add_argument("--copy-mb", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
     r.add_argument("--seed", type=int, default=0)
@@ -507,6 +598,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hf_reason:
         print(f"HF comparison skipped: {hf_reason}")
     models, hf = build_models(args, dtype, device, hf_reason is None)
+    official = None
+    if args.no_official or "griffin" not in models:
+        print(f"official-package comparison skipped: {'--no-official' if args.no_official else 'no griffin family'}")
+    else:
+        try:
+            official = official_griffin(models["griffin"])
+        except ImportError as err:
+            print(f"official-package comparison skipped: {err}")
+    peer_list = peers(hf, official)
     info = machine_info(device)
     print(f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads, {device}, {args.dtype}; "
           f"load average {info['load_average'][0]:.2f}")
@@ -523,9 +623,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     copy_bw = copy_bandwidth(args.copy_mb * 2**20, device)
     results: dict[str, Any] = dict(machine=info, args=vars(args), models=model_rows, copy_gb_s=copy_bw / 1e9)
 
-    if hf is not None:
-        results["hf_check"] = check = check_hf(args, hf, models["griffin"], device)
-        print(f"\nHF check: max |logit diff| {check['max_logit_diff']:.1e} on a 64-token prompt, "
+    results["peer_checks"] = []
+    for peer in peer_list:
+        check = check_peer(args, peer, models["griffin"], device)
+        results["peer_checks"].append(check)
+        print(f"\n{peer.name} check: max |logit diff| {check['max_logit_diff']:.1e} on a 64-token prompt, "
               f"{100 * check['token_agreement']:.1f}% of {check['tokens']} greedy tokens agree (batch {args.batch})")
 
     results["latency"] = latency = bench_latency(args, models, device)
@@ -552,13 +654,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(best, [("family", "family", ""), ("N", "tokens", "d"), ("batch", "batch", "d"),
                        ("tokens/s", "tokens_per_s", ",.0f")]))
 
-    if hf is not None:
-        results["hf"] = hf_rows = bench_hf(args, hf, models["griffin"], device)
-        print(f"\ngriffin vs HF transformers RecurrentGemma (same Griffin weights), greedy, batch {args.batch}")
-        print(table(hf_rows, [("prompt", "prompt", "d"), ("N", "tokens", "d"), ("griffin s", "griffin_s", ".2f"),
-                              ("HF s", "hf_s", ".2f"), ("griffin tok/s", "griffin_tok_s", ",.0f"),
-                              ("HF tok/s", "hf_tok_s", ",.0f"), ("ratio", "ratio", ".2f"),
-                              ("tokens agree", "token_agreement", ".1%")]))
+    if peer_list:
+        results["peers"] = peer_rows = bench_peers(args, peer_list, models["griffin"], device)
+        names = [peer.name for peer in peer_list]
+        print(f"\ngriffin vs {' and '.join(names)} (same Griffin weights), greedy, batch {args.batch}; ratio = "
+              f"peer's time / griffin's")
+        columns = [("prompt", "prompt", "d"), ("N", "tokens", "d"), ("griffin s", "griffin_s", ".2f")]
+        columns += [(f"{name} s", f"{name}_s", ".2f") for name in names]
+        columns += [("griffin tok/s", "griffin_tok_s", ",.0f")]
+        columns += [(f"{name} tok/s", f"{name}_tok_s", ",.0f") for name in names]
+        columns += [(f"ratio {name}", f"ratio_{name}", ".2f") for name in names]
+        columns += [(f"agree {name}", f"agree_{name}", ".1%") for name in names]
+        print(table(peer_rows, columns))
 
     results["load_average_end"] = os.getloadavg()  # with this run's own threads: about --threads when alone
     out = Path(args.out)

@@ -1,0 +1,33 @@
+"""``griffin bench inference`` end to end on a tiny model: its peers (HF transformers' RecurrentGemma and the
+official recurrentgemma package) run the same weights, and the benchmark checks that they agree with griffin."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from griffin.bench import main
+
+
+def test_inference_benchmark_compares_the_same_model_with_its_peers(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("recurrentgemma") is None:  # (importing it would pull in JAX)
+        pytest.skip("recurrentgemma is not installed")
+    out = tmp_path / "inference.json"
+    argv = ["--families", "griffin", "--width", "32", "--depth", "3", "--heads", "2", "--vocab", "64", "--window",
+            "8", "--batch", "2", "--prompt", "12", "--lengths", "4", "--throughput-lengths", "4", "--min-batch", "2",
+            "--max-batch", "2", "--hf-lengths", "5", "--check-tokens", "6", "--copy-mb", "1", "--threads", "1",
+            "--out", str(out), "--figures", ""]
+    assert main(argv) == 0
+    results = json.loads(out.read_text())
+    names = {check["peer"] for check in results["peer_checks"]}
+    assert names == {"HF", "official"}  # both are test dependencies
+    for check in results["peer_checks"]:  # same weights: the same logits and greedy tokens
+        assert check["max_logit_diff"] < 1e-4 and check["token_agreement"] == 1.0, check
+    assert [(r["prompt"], r["tokens"]) for r in results["peers"]] == [(1, 5), (12, 5)]
+    for row in results["peers"]:
+        for name in names:
+            assert row[f"ratio_{name}"] == pytest.approx(row[f"{name}_s"] / row["griffin_s"])
+    assert "ratio HF" in capsys.readouterr().out
