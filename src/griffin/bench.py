@@ -1,4 +1,4 @@
-"""Inference speed of MQA, Hawk and Griffin (paper Section 5, Figures 1b and 4, Appendix G), plus HF transformers.
+"""Inference speed of MQA, Hawk and Griffin (paper Section 5, Figures 1b and 4, Appendix G), against their peers.
 
 Measures, for three models of the same width and depth that differ only in their temporal-mixing blocks
 (global MQA everywhere; recurrent everywhere; recurrent, recurrent, local MQA repeated):
