@@ -39,6 +39,8 @@ from torch.library import triton_op, wrap_triton
 
 from griffin.ops.rg_lru import MAX_SQRT_GRADIENT, check_rg_lru_inputs
 
+# Constants are constexpr (Triton refuses other globals in a kernel); each stands to the right of a tensor operand:
+# in Triton 3.9's interpreter ``constexpr * tensor`` gives a constexpr wrapping the tensor, which tl.exp2 refuses.
 _MIN_4U = tl.constexpr(1.0 / MAX_SQRT_GRADIENT**2)  # clip of 4u in the sqrt derivative
 _LOG2E = tl.constexpr(math.log2(math.e))
 _LN2 = tl.constexpr(math.log(2.0))
@@ -82,7 +84,7 @@ else:  # one MUFU instruction each: the kernels issue ~100 instructions per elem
 
 @triton.jit
 def _sigmoid(x):
-    return _rcp(1.0 + _exp2(-_LOG2E * x))
+    return _rcp(1.0 + _exp2(x * (-_LOG2E)))
 
 
 @triton.jit
@@ -276,14 +278,14 @@ def _rg_lru_bwd_kernel(
             base = (seq + t0) * D
             tl.store(dx_ptr + base + tile, (dxi * sig_x).to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dgx_ptr + base + tile, (dxi * xi * (1.0 - sig_x)).to(dgx_ptr.dtype.element_ty), mask=mask)
-            dga = dlog_a * (_LN2 * log2_scale[None, :]) * sig_a * (1.0 - sig_a)
+            dga = dlog_a * (log2_scale[None, :] * _LN2) * sig_a * (1.0 - sig_a)
             tl.store(dga_ptr + base + tile, dga.to(dga_ptr.dtype.element_ty), mask=mask)
             dscale += dlog_a * sig_a
     if SUMMARY:
         tl.store(s_out_ptr + state, s, mask=col_ok)
         tl.store(p_out_ptr + state, p_tot, mask=col_ok)
     else:
-        tl.store(dlog2_scale_ptr + state, _LN2 * tl.sum(dscale, axis=0), mask=col_ok)
+        tl.store(dlog2_scale_ptr + state, tl.sum(dscale, axis=0) * _LN2, mask=col_ok)
         if WRITE_DH0:
             if chunk == 0:
                 tl.store(s_out_ptr + b.to(tl.int64) * D + cols, s, mask=col_ok)
