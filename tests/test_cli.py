@@ -5,7 +5,7 @@ import torch
 
 from griffin import CausalLM, ModelConfig
 from griffin.cli import main
-from tests.conftest import perturb_
+from tests.conftest import perturb_, seed_torch
 
 
 def test_presets_table(capsys):
@@ -40,7 +40,7 @@ def test_convert_reports_errors(tmp_path, capsys):
 
 
 def test_generate_command(tmp_path, gen, capsys):
-    torch.manual_seed(0)
+    seed_torch(gen)
     model = CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256))
     model.save_pretrained(tmp_path / "m")
     base = ["generate", str(tmp_path / "m"), "--tokenizer", "bytes", "--max-new-tokens", "6", "--temperature", "0"]
@@ -60,9 +60,8 @@ def test_generate_command(tmp_path, gen, capsys):
     assert "top_p=0.0" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_generate_compiled_gives_the_same_greedy_text(tmp_path, capsys):
-    torch.manual_seed(0)
+def test_generate_compiled_gives_the_same_greedy_text(tmp_path, gen, capsys):
+    seed_torch(gen)
     CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256)).save_pretrained(tmp_path / "m")
     base = ["generate", str(tmp_path / "m"), "--tokenizer", "bytes", "--max-new-tokens", "12", "--temperature", "0",
             "--prompt", "hello"]

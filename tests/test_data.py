@@ -189,8 +189,9 @@ def test_prepare_bpe_jsonl(tmp_path):
 
 
 def test_prepare_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     docs = random_docs(30, seed=2)
     pq.write_table(pa.table({"text": docs + [None], "n": list(range(31))}), tmp_path / "corpus.parquet")
     assert list(iter_documents([tmp_path])) == docs

@@ -26,6 +26,7 @@ from griffin.flops import (
 )
 from griffin.layers.attention import MultiQueryAttention
 from griffin.ops import local_attention as local_ops
+from tests.conftest import seed_torch
 
 aten = torch.ops.aten
 
@@ -87,11 +88,11 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("seq_len", [5, 64, 300])
-def test_matmuls_and_attention_match_flop_counter(name, seq_len, monkeypatch):
+def test_matmuls_and_attention_match_flop_counter(gen, name, seq_len, monkeypatch):
     """Weight matmuls exactly as FlopCounterMode counts them; attention exactly as the masks let queries see."""
     monkeypatch.setenv("GRIFFIN_RG_LRU_BACKEND", "ref")  # plain PyTorch ops (FlopCounterMode ignores them anyway)
     config = CONFIGS[name]
-    torch.manual_seed(0)
+    seed_torch(gen)
     model = CausalLM(config)
     batch = 2
     ids = torch.randint(0, config.vocab_size, (batch, seq_len))

@@ -67,9 +67,12 @@ def test_chunked_local_attention_over_the_ring_buffer(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", [{}, {"conv1d_document_reset": False}, {"complex_lru": True}])
 @torch.no_grad()
-def test_mixed_prompt_lengths_in_one_batch(gen, family):
-    model = tiny(family, gen)
+def test_mixed_prompt_lengths_in_one_batch(gen, family, variant):
+    """Left-padded prompts of several lengths give each row the logits of its prompt alone. Without the Conv1D
+    reset at a prompt's start (HF semantics, every HF import), only zeroed padding keeps the Conv1D from reading it."""
+    model = tiny(family, gen, **variant)
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (1, 9, 4)]
     logits, cache = prefill(model, prompts, max_length=30, chunk_size=4)
     for i, p in enumerate(prompts):
@@ -81,6 +84,27 @@ def test_mixed_prompt_lengths_in_one_batch(gen, family):
     for i, p in enumerate(prompts):
         expected = model(torch.tensor([p + [int(nxt[i])]]))[0, -1]
         assert (step[i] - expected).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("variant", [{}, {"attention_document_mask": False}, {"complex_lru": True}])
+@torch.no_grad()
+def test_document_starts_near_a_chunk_boundary(gen, family, variant):
+    """Packed documents fed through the cache in two chunks equal one full forward pass, for a document start at
+    every offset around the boundary: the Conv1D inputs carried across it (the last K-1 = 3 tokens of the first
+    chunk) must be dropped when a document starts after them."""
+    model = tiny(family, gen, **variant)
+    T, cut = 24, 12
+    ids = torch.randint(0, 32, (2, T), generator=gen)
+    for start in range(cut - 5, cut + 2):
+        positions = torch.arange(T).repeat(2, 1)
+        positions[0, start:] -= start  # row 0: a second document starts at `start`
+        positions[1, start - 2 :] -= start - 2  # row 1: two tokens earlier
+        full = model(ids, positions)
+        cache = model.init_cache(2, T)
+        chunks = [model(ids[:, a:b], positions[:, a:b], cache=cache) for a, b in ((0, cut), (cut, T))]
+        err = (torch.cat(chunks, 1) - full).abs().max()
+        assert err <= 1e-4, f"document start at {start}, chunk boundary at {cut}: {err}"
 
 
 @torch.no_grad()
@@ -328,7 +352,6 @@ def test_decoder_checks_once(gen):
         Decoder(tiny("griffin", gen), cache)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()

@@ -5,12 +5,11 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 from griffin import CausalLM, ModelConfig
 from griffin.checkpoint import CheckpointError, export_hf, to_official_state
-from tests.conftest import import_official_torch, perturb_
-
-transformers = pytest.importorskip("transformers")
+from tests.conftest import import_official_torch, perturb_, seed_torch
 
 WINDOW = 8
 T = 45  # longer than the window, crossing the local-attention chunking too
@@ -65,7 +64,7 @@ def test_hf_export_round_trip(gen, tmp_path):
 def test_griffin_model_exports_to_hf(gen, tmp_path):
     cfg = ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2,
                                   conv1d_document_reset=False)
-    torch.manual_seed(0)
+    seed_torch(gen)
     ours = CausalLM(cfg)
     perturb_(ours, gen)
     export_hf(ours, tmp_path)
@@ -151,7 +150,7 @@ def test_official_file_is_loaded_without_unpickling_objects(tmp_path):
 
 
 def test_griffin_format_round_trip(gen, tmp_path):
-    torch.manual_seed(0)
+    seed_torch(gen)
     model = CausalLM(ModelConfig.from_preset("griffin-tiny", complex_lru=True))
     perturb_(model, gen)
     model.save_pretrained(tmp_path)

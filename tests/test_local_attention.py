@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from griffin.ops.local_attention import fused_sdpa, local_chunk, sliding_window_attention, sliding_window_attention_ref
 from tests.conftest import DEVICES
@@ -94,12 +95,36 @@ def test_default_chunk_is_a_fraction_of_the_window():
     assert [local_chunk(w) for w in (1, 256, 1024, 2048, 100_000)] == [64, 64, 256, 256, 256]
 
 
-def test_never_a_full_mask():
-    """Memory O(T * (C + window)): a 64K-token sequence with a 128-token window fits in a few MB of masks."""
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operator returns while active (in elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_never_a_full_mask(gen, segments):
+    """Memory O(T (C + window)): for a 64K-token sequence and a 128-token window, no tensor (mask, scores, key
+    chunks) exceeds one value per query and key it may see, B H T (C + window - 1), a 1/200 of a T x T mask; the
+    result is that of the dense reference."""
     B, T, H, d, window = 1, 65536, 1, 4, 128
-    q, k, v = (torch.zeros(B, T, H, d) for _ in range(3))
-    out = sliding_window_attention(q, k, v, window)
-    assert out.shape == (B, T, H, d)
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) for _ in range(3))
+    seg = torch.cumsum(torch.rand(B, T, generator=gen) < 0.001, 1) if segments else None
+    with LargestTensor() as mode:
+        out = sliding_window_attention(q, k, v, window, q_seg=seg, k_seg=seg)
+    assert mode.largest <= B * H * T * (local_chunk(window) + window - 1), mode.largest
+    ref = sliding_window_attention_ref(q[:, -512:], k[:, -512 - window:], v[:, -512 - window:], window,
+                                       q_seg=None if seg is None else seg[:, -512:],
+                                       k_seg=None if seg is None else seg[:, -512 - window:])
+    torch.testing.assert_close(out[:, -512:], ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bad, message", [

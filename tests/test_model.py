@@ -1,19 +1,21 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from griffin import CausalLM, ModelConfig
+from tests.conftest import seed_torch
 
 FAMILIES = ["mqa", "hawk", "griffin"]
 
 
-def tiny(family, **kw):
-    torch.manual_seed(0)
+def tiny(family, gen, **kw):
+    seed_torch(gen)
     return CausalLM(ModelConfig.from_preset(f"{family}-tiny", **kw))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_shapes_and_default_positions(gen, family):
-    model = tiny(family)
+    model = tiny(family, gen)
     ids = torch.randint(0, 32, (3, 21), generator=gen)
     logits = model(ids)
     assert logits.shape == (3, 21, 32)
@@ -24,7 +26,7 @@ def test_forward_shapes_and_default_positions(gen, family):
 @pytest.mark.parametrize("complex_lru", [False, True])
 def test_packed_documents_see_nothing_of_each_other(gen, family, complex_lru):
     """A row packing documents A|B|C gives, on each, the logits of that document alone."""
-    model = tiny(family, complex_lru=complex_lru).double()
+    model = tiny(family, gen, complex_lru=complex_lru).double()
     lengths = [11, 1, 150]
     docs = [torch.randint(0, 32, (1, n), generator=gen) for n in lengths]
     ids = torch.cat(docs, 1)
@@ -54,8 +56,16 @@ def test_local_window_limits_what_attention_sees(gen):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_is_finite(gen, family, dtype):
-    model = tiny(family).to(dtype)
+@pytest.mark.parametrize("decay", ["init", "extreme", "extreme-complex"])
+def test_backward_is_finite(gen, family, dtype, decay):
+    """Finite gradients, also where a_t rounds to 1 (Lambda = -200, Section 2.4's bounded sqrt gradient), for the
+    RG-LRU and the CG-LRU of Appendix B."""
+    model = tiny(family, gen, complex_lru=decay == "extreme-complex").to(dtype)
+    if decay != "init":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("a_param"):
+                    p.fill_(-200.0)
     ids = torch.randint(0, 32, (2, 30), generator=gen)
     loss = torch.nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
     loss.backward()
@@ -63,14 +73,34 @@ def test_backward_is_finite(gen, family, dtype):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
-def test_untied_soft_capped_scaled(gen):
-    model = tiny("griffin", tie_embeddings=False, logits_soft_cap=2.0, embed_scale=True)
-    logits = model(torch.randint(0, 32, (1, 9), generator=gen))
-    assert model.lm_head is not None and logits.abs().max() <= 2.0
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_layer_soft_capped(gen, tied):
+    """logits = cap tanh(final_norm(h) W^T / cap), W the embedding if tied, else the output layer's own matrix; the
+    loss (whole or chunked) is the cross-entropy of those logits, and its gradient reaches W."""
+    seed_torch(gen)
+    model = CausalLM(ModelConfig.from_preset("griffin-tiny", tie_embeddings=tied, logits_soft_cap=2.0,
+                                             embed_scale=True))
+    head = model.embed.weight if tied else model.lm_head.weight
+    assert tied == (model.lm_head is None)
+    captured = []
+    model.final_norm.register_forward_hook(lambda module, args, out: captured.append(out))
+    ids = torch.randint(0, 16, (2, 9), generator=gen)  # tokens 16..31 never occur in the input
+    targets = torch.randint(0, 32, (2, 9), generator=gen)
+    logits = model(ids)
+    expected = 2.0 * torch.tanh(captured[-1] @ head.T / 2.0)
+    torch.testing.assert_close(logits, expected)
+    loss = F.cross_entropy(expected.flatten(0, 1), targets.flatten(), reduction="sum")
+    torch.testing.assert_close(model(ids, targets=targets), loss)
+    chunked = model(ids, targets=targets, loss_chunk=5)
+    torch.testing.assert_close(chunked, loss)
+    chunked.backward()
+    assert head.grad[16:].abs().sum() > 0  # only the output layer uses the rows of tokens absent from the input
+    if not tied:
+        assert model.embed.weight.grad[16:].abs().sum() == 0
 
 
-def test_bad_input_names_the_value():
-    model = tiny("griffin")
+def test_bad_input_names_the_value(gen):
+    model = tiny("griffin", gen)
     with pytest.raises(ValueError, match="token id 32 is outside the vocabulary \\[0, 32\\)"):
         model(torch.tensor([[1, 32]]))
     with pytest.raises(ValueError, match="token id -1"):
@@ -93,7 +123,7 @@ def test_bad_input_names_the_value():
 
 
 def test_logits_to_keep_are_the_last_positions(gen):
-    model = tiny("griffin")
+    model = tiny("griffin", gen)
     ids = torch.randint(0, 32, (2, 9), generator=gen)
     full = model(ids)
     for keep in (1, 4, 9):
@@ -104,7 +134,7 @@ def test_logits_to_keep_are_the_last_positions(gen):
 @torch.no_grad()
 def test_forward_updates_the_cache_in_place(gen, family):
     """Every cache tensor keeps its storage (what CUDA graphs and a compiled decode step need)."""
-    model = tiny(family).eval()
+    model = tiny(family, gen).eval()
     cache = model.init_cache(3, 40)
     storage = {k: v.data_ptr() for k, v in cache.tensors().items()}
     before = {k: v.clone() for k, v in cache.tensors().items()}
@@ -120,7 +150,7 @@ def test_decode_step_continues_the_sequence(gen, family):
     """CausalLM.decode_step (no checks, no host syncs) with a hand-made DecodeState gives forward's logits."""
     from griffin.cache import DecodeState
 
-    model = tiny(family, embed_scale=True, logits_soft_cap=5.0).eval()
+    model = tiny(family, gen, embed_scale=True, logits_soft_cap=5.0).eval()
     ids = torch.randint(0, 32, (5, 12), generator=gen)
     full = model(ids)
     cache = model.init_cache(5, 12)
@@ -133,8 +163,8 @@ def test_decode_step_continues_the_sequence(gen, family):
     assert int(state.step) == cache.step == 12 and cache.position.tolist() == [12] * 5
 
 
-def test_embedding_scale_is_sqrt_width_in_bfloat16():
-    model = tiny("griffin", embed_scale=True, width=20)
+def test_embedding_scale_is_sqrt_width_in_bfloat16(gen):
+    model = tiny("griffin", gen, embed_scale=True, width=20)
     assert model.embed_multiplier == 4.46875  # sqrt(20) = 4.472... rounded to bfloat16, as RecurrentGemma
     ids = torch.tensor([[3, 4]])
     torch.testing.assert_close(model.embed_tokens(ids), model.embed(ids) * 4.46875, atol=0, rtol=0)

@@ -9,23 +9,29 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+if sys.platform != "linux":  # the test extra installs Triton on Linux, where it ships; a missing one fails there
+    pytest.skip("Triton is only available on Linux", allow_module_level=True)
+import triton  # noqa: E402,F401
 
 from griffin.ops.rg_lru import rg_lru, rg_lru_ref  # noqa: E402
 from griffin.ops.rg_lru_triton import rg_lru_triton, select_config  # noqa: E402
+from tests.conftest import max_relative_error  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-# bf16 outputs carry ~2^-9 relative rounding; float32 runs only see approximate exp/rcp/sqrt (a few ulp).
-TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+# Per-element errors (tests.conftest.max_relative_error), so that one unwritten (row, t) slice fails (it errs by ~1):
+# bf16 outputs carry ~2^-9 relative rounding, and the gate gradients lose a few bits more to cancellation (up to 4e-2
+# seen); float32 runs see approximate exp/rcp/sqrt (a few ulp) and the same cancellation (up to 1e-4 seen).
+TOL = {torch.float32: 3e-4, torch.bfloat16: 6e-2}
 
 
 def _inputs(gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtype, h0: bool, reset: str):
@@ -44,10 +50,6 @@ def _inputs(gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtyp
     return tensors, None if init is None else init.to(DEVICE), None if starts is None else starts.to(DEVICE)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: int = 0) -> None:
     tensors, init, starts = _inputs(gen, shape, dtype, h0, reset)
     leaves = [t.clone().requires_grad_() for t in tensors] + ([init.clone().requires_grad_()] if h0 else [])
@@ -63,8 +65,9 @@ def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: in
 
     tol = TOL[dtype]
     names = ["x", "gate_x", "gate_a", "a_param", "h0"]
-    errors = {"y": _rel(y, y_ref), "h_last": _rel(h_last, h_ref)}
-    errors.update({f"d{n}": _rel(a.grad, b.grad) for n, a, b in zip(names, leaves, ref_leaves, strict=False)})
+    errors = {"y": max_relative_error(y, y_ref), "h_last": max_relative_error(h_last, h_ref)}
+    errors.update({f"d{n}": max_relative_error(a.grad, b.grad)
+                   for n, a, b in zip(names, leaves, ref_leaves, strict=False)})
     assert all(torch.isfinite(torch.tensor(list(errors.values())))), errors
     assert max(errors.values()) < tol, errors
 
@@ -111,7 +114,7 @@ def test_non_contiguous_inputs_and_no_grad(gen) -> None:
     with torch.no_grad():
         y, h_last = rg_lru_triton(x_t, gate_x, gate_a, a_param, 8.0, init, starts)
     y_ref, h_ref = rg_lru_ref(x.double(), gate_x.double(), gate_a.double(), a_param.double(), 8.0, init, starts)
-    assert _rel(y, y_ref) < TOL[torch.float32] and _rel(h_last, h_ref) < TOL[torch.float32]
+    assert max_relative_error(y, y_ref) < TOL[torch.float32] and max_relative_error(h_last, h_ref) < TOL[torch.float32]
 
 
 def test_dispatch(gen, monkeypatch) -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 from griffin.ops import scan, scan_cpu
 from griffin.ops.scan import default_backend, linear_scan, linear_scan_ref
 
-SEEDS = (0, 1, 2)
+TRIALS = range(3)  # fresh inputs from the seeded generator each time (tests.conftest.gen)
 SHAPES = [(1, 1, 1), (3, 1, 5), (1, 7, 33), (3, 7, 1), (3, 129, 5), (1, 129, 33), (3, 129, 33)]
 LONG_SHAPES = [(1, 4096, 5), (3, 4096, 1)]  # small B·D: the reference's backward is O(T²·B·D)
 # (reset pattern, h0 given): no resets, random resets (none at t=0), random resets plus one at t=0
@@ -33,10 +33,10 @@ def _id(value: object) -> str:
 
 
 def make_inputs(
-    seed: int, shape: tuple[int, int, int], dtype: torch.dtype, resets: str, with_h0: bool, a_low: float = 0.0
+    gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtype, resets: str, with_h0: bool,
+    a_low: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """a uniform in [a_low, 1), b standard normal (both in dtype), h0 float32 normal, reset bool (B, T)."""
-    gen = torch.Generator().manual_seed(seed)
     batch, steps, dim = shape
     a = (a_low + (1 - a_low) * torch.rand(shape, generator=gen, dtype=torch.float64)).to(dtype)
     b = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
@@ -99,9 +99,8 @@ def rounding_bounds(
     return bounds
 
 
-def assert_within_rounding(seed, a, b, h0, reset, tighten: float = 1.0) -> None:
+def assert_within_rounding(gen, a, b, h0, reset, tighten: float = 1.0) -> None:
     """Fast scan values and gradients within the rounding bound (times tighten) of the float64 reference."""
-    gen = torch.Generator().manual_seed(seed + 1000)
     dtype = a.dtype
     g = torch.randn(a.shape, generator=gen, dtype=torch.float64).to(dtype)
     g_last = torch.randn(a.shape[0], a.shape[2], generator=gen, dtype=torch.float64).to(scan.accumulation_dtype(dtype))
@@ -122,52 +121,51 @@ def assert_within_rounding(seed, a, b, h0, reset, tighten: float = 1.0) -> None:
         )
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("trial", TRIALS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 @pytest.mark.parametrize(("resets", "with_h0"), MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
-def test_matches_reference(seed, shape, resets, with_h0, dtype):
-    assert_within_rounding(seed, *make_inputs(seed, shape, dtype, resets, with_h0))
+def test_matches_reference(gen, trial, shape, resets, with_h0, dtype):
+    assert_within_rounding(gen, *make_inputs(gen, shape, dtype, resets, with_h0))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("trial", TRIALS)
 @pytest.mark.parametrize("shape", LONG_SHAPES, ids=_id)
 @pytest.mark.parametrize(("resets", "with_h0"), [("none", False), ("first", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
-def test_matches_reference_long(seed, shape, resets, with_h0, dtype):
-    assert_within_rounding(seed, *make_inputs(seed, shape, dtype, resets, with_h0))
+def test_matches_reference_long(gen, trial, shape, resets, with_h0, dtype):
+    assert_within_rounding(gen, *make_inputs(gen, shape, dtype, resets, with_h0))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("trial", TRIALS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=_id)
-def test_matches_reference_other_dtypes(seed, dtype):
-    assert_within_rounding(seed, *make_inputs(seed, (3, 129, 33), dtype, "random", True))
+def test_matches_reference_other_dtypes(gen, trial, dtype):
+    assert_within_rounding(gen, *make_inputs(gen, (3, 129, 33), dtype, "random", True))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_float32_is_within_float32_rounding_of_float64_truth(seed):
+@pytest.mark.parametrize("trial", TRIALS)
+def test_float32_is_within_float32_rounding_of_float64_truth(gen, trial):
     """Long memory (a in [0.9, 1)) over T = 4096, with resets and h0: values and gradients stay within the
     float32 rounding bound of the float64 truth."""
-    a, b, h0, reset = make_inputs(seed, (2, 4096, 4), torch.float32, "random", True, a_low=0.9)
-    assert_within_rounding(seed, a, b, h0, reset)
+    a, b, h0, reset = make_inputs(gen, (2, 4096, 4), torch.float32, "random", True, a_low=0.9)
+    assert_within_rounding(gen, a, b, h0, reset)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_low_precision_backward_uses_float32_state(seed):
+@pytest.mark.parametrize("trial", TRIALS)
+def test_low_precision_backward_uses_float32_state(gen, trial):
     """bf16: grad_a = dh_t h_{t-1} with the float32 h_{t-1}, so its error is one bf16 rounding (u = 2^-8), not
     two (which using the bf16-rounded output h would add); the bound is checked with no extra slack."""
-    a, b, h0, reset = make_inputs(seed, (3, 129, 33), torch.bfloat16, "random", True, a_low=0.5)
-    assert_within_rounding(seed, a, b, h0, reset, tighten=1 / 1.01)
+    a, b, h0, reset = make_inputs(gen, (3, 129, 33), torch.bfloat16, "random", True, a_low=0.5)
+    assert_within_rounding(gen, a, b, h0, reset, tighten=1 / 1.01)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("trial", TRIALS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
-def test_low_precision_time_blocks(seed, dtype, monkeypatch):
+def test_low_precision_time_blocks(gen, trial, dtype, monkeypatch):
     """16-bit inputs are scanned in time blocks; blocks of 5 steps (the last one partial, a reset on a block's first
     step) give exactly the one-block result, within the rounding bound of the float64 reference."""
-    a, b, h0, reset = make_inputs(seed, (3, 129, 33), dtype, "first", True)
+    a, b, h0, reset = make_inputs(gen, (3, 129, 33), dtype, "first", True)
     reset[:, 5] = True
-    gen = torch.Generator().manual_seed(seed)
     g, g_last = torch.randn(a.shape, generator=gen).to(dtype), torch.randn(3, 33, generator=gen)
     whole = scan_and_grads(fast, a, b, h0, reset, g, g_last)
     monkeypatch.setattr(scan_cpu, "_BLOCK_BYTES", 5 * 3 * 33 * 4)
@@ -175,14 +173,13 @@ def test_low_precision_time_blocks(seed, dtype, monkeypatch):
     blocked = scan_and_grads(fast, a, b, h0, reset, g, g_last)
     for name, value in whole.items():
         assert torch.equal(blocked[name], value), name
-    assert_within_rounding(seed, a, b, h0, reset)
+    assert_within_rounding(gen, a, b, h0, reset)
 
 
 @pytest.mark.parametrize("a_value", [0.0, 1.0])
-@pytest.mark.parametrize("seed", SEEDS)
-def test_extreme_decays_over_long_sequences(seed, a_value):
+@pytest.mark.parametrize("trial", TRIALS)
+def test_extreme_decays_over_long_sequences(gen, trial, a_value):
     """a = 1: h is h0 plus the cumulative sum of b (gradients: reverse cumulative sums); a = 0: h = b exactly."""
-    gen = torch.Generator().manual_seed(seed)
     B, T, D = 3, 4096, 33
     b = torch.randn(B, T, D, generator=gen, requires_grad=True)
     a = torch.full((B, T, D), a_value, requires_grad=True)
@@ -217,9 +214,8 @@ def test_extreme_decays_over_long_sequences(seed, a_value):
         assert ((got.double() - want).abs() <= tol).all(), name
 
 
-def test_gradcheck_with_resets_and_initial_state():
-    gen = torch.Generator().manual_seed(0)
-    a, b, h0, reset = make_inputs(0, (2, 9, 3), torch.float64, "random", True)
+def test_gradcheck_with_resets_and_initial_state(gen):
+    a, b, h0, reset = make_inputs(gen, (2, 9, 3), torch.float64, "random", True)
     reset[1, 4] = True
     args = [x.requires_grad_() for x in (a, b, h0)]
     assert torch.autograd.gradcheck(lambda a, b, h0: fast(a, b, h0, reset), args)
@@ -229,8 +225,8 @@ def test_gradcheck_with_resets_and_initial_state():
     assert torch.autograd.gradcheck(lambda a, b: fast(a, b), (a2, a2.detach().clone().requires_grad_()))
 
 
-def test_double_backward_is_refused():
-    a = torch.rand(1, 3, 2, dtype=torch.float64, requires_grad=True)
+def test_double_backward_is_refused(gen):
+    a = torch.rand(1, 3, 2, generator=gen, dtype=torch.float64, requires_grad=True)
     h, _ = fast(a, torch.ones(1, 3, 2, dtype=torch.float64))
     (grad_a,) = torch.autograd.grad(h, a, torch.ones_like(h, requires_grad=True), create_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
@@ -239,8 +235,8 @@ def test_double_backward_is_refused():
 
 @pytest.mark.parametrize("with_h0", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
-def test_empty_sequence(with_h0, dtype):
-    h0 = torch.randn(2, 3, requires_grad=True) if with_h0 else None
+def test_empty_sequence(gen, with_h0, dtype):
+    h0 = torch.randn(2, 3, generator=gen, requires_grad=True) if with_h0 else None
     a, b = (torch.rand(2, 0, 3, dtype=dtype, requires_grad=True) for _ in range(2))
     h, h_last = fast(a, b, h0, torch.zeros(2, 0, dtype=torch.bool))
     assert h.shape == (2, 0, 3) and h.dtype == dtype and h_last.shape == (2, 3) and h_last.dtype == torch.float32
@@ -248,13 +244,12 @@ def test_empty_sequence(with_h0, dtype):
         assert torch.equal(h_last, torch.zeros(2, 3))
         return
     assert torch.equal(h_last, h0.detach())
-    g_last = torch.randn(2, 3)
+    g_last = torch.randn(2, 3, generator=gen)
     (grad_h0,) = torch.autograd.grad(h_last, h0, g_last)
     assert torch.equal(grad_h0, g_last)
 
 
-def test_non_contiguous_inputs():
-    gen = torch.Generator().manual_seed(0)
+def test_non_contiguous_inputs(gen):
     big_a = torch.rand(5, 3, 9, generator=gen)  # (D', B, T) views transposed to (B, T, D) with strided D
     big_b = torch.randn(3, 9, 10, generator=gen)
     a = big_a.permute(1, 2, 0)
@@ -270,8 +265,8 @@ def test_non_contiguous_inputs():
         torch.testing.assert_close(x, r.float())
 
 
-def test_inputs_without_grad_build_no_graph():
-    a, b = torch.rand(2, 5, 3), torch.randn(2, 5, 3)
+def test_inputs_without_grad_build_no_graph(gen):
+    a, b = torch.rand(2, 5, 3, generator=gen), torch.randn(2, 5, 3, generator=gen)
     h, h_last = fast(a, b)
     assert not h.requires_grad and not h_last.requires_grad
     a.requires_grad_()
@@ -321,15 +316,15 @@ def test_bad_inputs_raise_naming_the_value(a, b, h0, reset, error, match):
         fast(a, b, h0, reset)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("trial", TRIALS)
 @pytest.mark.parametrize("steps", [1, 2, 3, 17, 64, 129])
 @pytest.mark.parametrize(("resets", "with_h0"), [("none", False), ("random", True), ("first", True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_id)
-def test_associative_scan_matches_reference(gen, seed, steps, resets, with_h0, dtype):
+def test_associative_scan_matches_reference(gen, trial, steps, resets, with_h0, dtype):
     """The associative scan (the paper's Figure 9 baseline): values and gradients of the float64 reference."""
-    a, b, h0, reset = make_inputs(seed + int(gen.seed()) % 1000, (2, steps, 5), dtype, resets, with_h0)
-    g = torch.randn(a.shape, dtype=torch.float64)
-    g_last = torch.randn(a.shape[0], a.shape[2], dtype=torch.float64)
+    a, b, h0, reset = make_inputs(gen, (2, steps, 5), dtype, resets, with_h0)
+    g = torch.randn(a.shape, generator=gen, dtype=torch.float64)
+    g_last = torch.randn(a.shape[0], a.shape[2], generator=gen, dtype=torch.float64)
     got = scan_and_grads(scan.linear_scan_assoc, a, b, h0, reset, g, g_last)
     truth = scan_and_grads(linear_scan_ref, a, b, h0, reset, g, g_last, torch.float64)
     tol = 1e-12 if dtype == torch.float64 else 2e-5

@@ -178,6 +178,58 @@ def test_resume_in_process_is_bit_identical(dataset, tmp_path):
     assert resumed.val_loss == full.val_loss and resumed.sample == full.sample
 
 
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_restores_the_whole_trainer_state(dataset, tmp_path, monkeypatch):
+    """A run interrupted after its step-4 checkpoint and resumed ends in the state of one run straight through:
+    every counter, the loader, the weights and optimizer, the log, the checkpoints kept and the `best` link. The
+    validation losses are scripted so that the best checkpoint (step 2) is neither the first nor the last."""
+    import griffin.training.trainer as trainer_module
+
+    scripted = {0: 5.0, 2: 3.0, 4: 4.0, 6: 4.5, 8: 3.5, 10: 3.8}
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: scripted[self.step])
+    cfg = dict(max_steps=10, eval_interval=2, ckpt_interval=2, keep_last=1, sample_tokens=0)
+    straight = Trainer(tiny(dataset, tmp_path / "straight", **cfg))
+    straight.run()
+
+    def fault(point, step):
+        if point == "step" and step == 5:
+            raise Interrupted
+
+    monkeypatch.setattr(trainer_module, "fault_point", fault)
+    with pytest.raises(Interrupted):
+        Trainer(tiny(dataset, tmp_path / "resumed", **cfg)).run()
+    monkeypatch.setattr(trainer_module, "fault_point", lambda point, step: None)
+    resumed = Trainer(tiny(dataset, tmp_path / "resumed", resume="auto", **cfg))
+    assert resumed.step == 4 and resumed.tokens == 4 * 4 * 32 and (resumed.best_val, resumed.best_step) == (3.0, 2)
+    resumed.run()
+
+    for field in ("step", "tokens", "best_val", "best_step", "skipped"):
+        assert getattr(resumed, field) == getattr(straight, field), field
+    assert resumed.loader.state_dict() == straight.loader.state_dict()
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    opt_a, opt_b = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    for i in opt_a:
+        for key in opt_a[i]:
+            assert torch.equal(torch.as_tensor(opt_a[i][key]), torch.as_tensor(opt_b[i][key])), (i, key)
+    roots = [Path(t.cfg.out) / "checkpoints" for t in (straight, resumed)]
+    assert [[p.name for p in list_checkpoints(r)] for r in roots] == [["step_00000002", "step_00000010"]] * 2
+    assert [(r / "best").resolve().name for r in roots] == ["step_00000002"] * 2
+    saved = [json.loads((r / "latest" / "trainer.json").read_text()) for r in roots]
+    for key in ("step", "tokens", "val_loss", "best_val_loss", "best_step", "loader"):
+        assert saved[0][key] == saved[1][key], key
+
+    def records(out):  # the log without timings
+        timing = {"tokens_per_s", "mfu"}
+        return [{k: v for k, v in r.items() if k not in timing} for r in (json.loads(line) for line in
+                (Path(out) / "log.jsonl").read_text().splitlines()) if r["kind"] in ("train", "eval")]
+
+    assert records(resumed.cfg.out) == records(straight.cfg.out)
+
+
 def _run_cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "GRIFFIN_FAULT": fault or ""}
     return subprocess.run([sys.executable, "-m", "griffin.cli", "train", *args], env=env, capture_output=True,
@@ -345,7 +397,6 @@ def test_data_parallel_over_two_processes_matches_one(dataset, tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("loss_chunk", [0, 7])
 def test_compiled_training_matches_eager(dataset, tmp_path, loss_chunk):
     eager = train(tiny(dataset, tmp_path / "eager", max_steps=3, ckpt_interval=3))

@@ -1,0 +1,46 @@
+"""Every backend of the RG-LRU operator against the paper's formula in float64, at the extremes of the decay.
+
+Section 2.4 bounds the gradient of sqrt(1 - a_t^2), which is infinite where a_t = 1: with Lambda very negative,
+softplus(Lambda) underflows, a_t is 1 in float32 and 1 - a_t^2 is 0. Without the bound every gradient of the layer is
+NaN (inf times the zero derivative of log a_t). Each backend must give the gradients of the bounded formula.
+"""
+
+import pytest
+import torch
+
+from griffin.ops.rg_lru import BACKENDS, rg_lru
+from tests.conftest import max_relative_error, rg_lru_formula
+
+# Lambda from a = 1 in float32 and float64 (-200, -60) through ordinary decays to a_t near 0 (10).
+EXTREME_LAMBDAS = [-200.0, -60.0, -5.0, 0.0, 3.0, 10.0]
+
+
+def inputs(gen, B, T, lambdas, reset_p=0.1):
+    D = len(lambdas)
+    x, gate_x, gate_a = (torch.randn(B, T, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    h0 = torch.randn(B, D, generator=gen, dtype=torch.float64)
+    reset = torch.rand(B, T, generator=gen) < reset_p
+    return x, gate_x, gate_a, torch.tensor(lambdas, dtype=torch.float64), h0, reset
+
+
+def value_and_grads(fn, leaves, reset, dy, dh):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    y, h_last = fn(*leaves[:4], 8.0, leaves[4], reset)
+    ((y.double() * dy).sum() + (h_last.double() * dh).sum()).backward()
+    return [y.detach(), h_last.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_at_extreme_decays_match_the_bounded_formula(gen, backend):
+    B, T = 2, 23
+    x, gate_x, gate_a, lam, h0, reset = inputs(gen, B, T, EXTREME_LAMBDAS)
+    dy = torch.randn(B, T, len(EXTREME_LAMBDAS), generator=gen, dtype=torch.float64)
+    dh = torch.randn(B, len(EXTREME_LAMBDAS), generator=gen, dtype=torch.float64)
+    # float32 inputs for the backend; the float64 truth on the same (rounded) values.
+    leaves32 = [t.float() for t in (x, gate_x, gate_a, lam, h0)]
+    got = value_and_grads(lambda *a: rg_lru(*a, backend=backend), leaves32, reset, dy, dh)
+    truth = value_and_grads(rg_lru_formula, [t.double() for t in leaves32], reset, dy, dh)
+    names = ["y", "h_last", "dx", "dgate_x", "dgate_a", "dLambda", "dh0"]
+    for name, g, t in zip(names, got, truth, strict=True):
+        assert torch.isfinite(g).all(), f"{backend}: {name} is not finite"
+        assert max_relative_error(g, t) < 1e-4, f"{backend}: {name}"

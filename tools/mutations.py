@@ -1,0 +1,234 @@
+"""Deliberate bugs and the tests that must catch them: a mutation check that anyone can repeat.
+
+Each mutation replaces one snippet of the library's source with a wrong one. For each, this script copies the
+working tree to a temporary directory, applies the bug there (the working tree is never touched), runs the tests
+named for it and requires them to **fail**; with ``--full`` it runs the whole default suite instead. The unmutated
+copy is run first and must pass, so a failure is the bug's doing.
+
+    python tools/mutations.py                  # every mutation, its own tests (a few minutes)
+    python tools/mutations.py pad-mask --full  # one mutation against the whole default suite
+    python tools/mutations.py --list           # the table: bug -> tests
+    python tools/mutations.py --record tests/mutations.md   # run, then write the table with the outcomes
+
+A mutation whose snippet is no longer in the source (the code moved) is reported as stale: update its ``path`` and
+``old`` here, so that the check keeps guarding the same behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str  # what goes wrong for users
+    path: str  # file, relative to the repository root
+    old: str  # the correct snippet (must occur exactly once)
+    new: str  # the bug
+    tests: tuple[str, ...]  # pytest node ids (or -k expressions after "-k ") that must fail
+
+
+MUTATIONS = [
+    Mutation(
+        "pad-mask",
+        "left padding leaks into the Conv1D when it is not reset at prompt starts (HF semantics): batched prefill "
+        "differs from each prompt run alone",
+        "src/griffin/layers/recurrent_block.py",
+        "u = u.masked_fill(pad[..., None], 0.0)",
+        "u = u",
+        ("tests/test_inference.py::test_mixed_prompt_lengths_in_one_batch",),
+    ),
+    Mutation(
+        "conv-carry",
+        "a document starting in the last K-1 tokens of a cached chunk still sees the previous document's Conv1D "
+        "inputs in the next chunk",
+        "src/griffin/layers/recurrent_block.py",
+        "    if reset is not None:\n        r = torch.cat(",
+        "    if False:\n        r = torch.cat(",
+        ("tests/test_inference.py::test_document_starts_near_a_chunk_boundary",),
+    ),
+    Mutation(
+        "sqrt-clip",
+        "the gradient of sqrt(1 - a_t^2) is unbounded: NaN gradients once a_t rounds to 1",
+        "src/griffin/ops/rg_lru.py",
+        "torch.sqrt(torch.clip(4.0 * x, min=1.0 / MAX_SQRT_GRADIENT**2))",
+        "torch.sqrt(4.0 * x)",
+        ("tests/test_rg_lru.py::test_gradients_at_extreme_decays_match_the_bounded_formula",),
+    ),
+    Mutation(
+        "sqrt-clip-cpu",
+        "the fused CPU kernel's gradient of sqrt(1 - a_t^2) is unbounded: NaN gradients once a_t rounds to 1",
+        "src/griffin/ops/rg_lru_cpu.py",
+        "d_u = dh * xt[j] * i / max(2.0 * mult, _MIN_2U)",
+        "d_u = dh * xt[j] * i / (2.0 * mult)",
+        ("tests/test_rg_lru.py::test_gradients_at_extreme_decays_match_the_bounded_formula",),
+    ),
+    Mutation(
+        "resume-best",
+        "a resumed run forgets its best validation loss: the `best` link and pruning then keep, or delete, the "
+        "wrong checkpoint",
+        "src/griffin/training/trainer.py",
+        '            self.best_val, self.best_step = state["best_val_loss"], state["best_step"]\n',
+        "",
+        ("tests/test_train.py::test_resume_restores_the_whole_trainer_state",),
+    ),
+    Mutation(
+        "resume-tokens",
+        "a resumed run counts its training tokens from zero",
+        "src/griffin/training/trainer.py",
+        'self.step, self.tokens = state["step"], state["tokens"]',
+        'self.step, self.tokens = state["step"], 0',
+        ("tests/test_train.py::test_resume_restores_the_whole_trainer_state",),
+    ),
+    Mutation(
+        "untied-head",
+        "an untied model's output layer uses the embedding matrix",
+        "src/griffin/model.py",
+        "return self.embed.weight if self.lm_head is None else self.lm_head.weight",
+        "return self.embed.weight",
+        ("tests/test_model.py::test_output_layer_soft_capped",),
+    ),
+    Mutation(
+        "paper-depth",
+        "the 1.3B models are 22 blocks deep instead of Appendix C's 24",
+        "src/griffin/config.py",
+        '"1.3b": (2048, 2560, 24, 16)',
+        '"1.3b": (2048, 2560, 22, 16)',
+        ("tests/test_config.py::test_paper_presets_match_appendix_c",),
+    ),
+    Mutation(
+        "paper-rnn-width",
+        "the 7B models' RNN width is 5120 instead of Appendix C's 5632",
+        "src/griffin/config.py",
+        '"7b": (4096, 5632, 32, 32)',
+        '"7b": (4096, 5120, 32, 32)',
+        ("tests/test_config.py::test_paper_presets_match_appendix_c",),
+    ),
+    Mutation(
+        "local-dense",
+        "local attention builds one dense T x T mask (memory quadratic in the sequence length)",
+        "src/griffin/ops/local_attention.py",
+        "if T <= C:  # one chunk",
+        "if True:  # one chunk",
+        ("tests/test_local_attention.py::test_never_a_full_mask",),
+    ),
+    Mutation(
+        "a-init-uniform",
+        "the decay a is initialised uniform on [0.9, 0.999] instead of a^2 uniform (Section 2.4)",
+        "src/griffin/layers/rg_lru.py",
+        "a_param.uniform_(min_rad**2 + eps, max_rad**2 + eps)\n        a_param.log_().mul_(0.5)",
+        "a_param.uniform_(min_rad + eps, max_rad + eps)\n        a_param.log_()",
+        ("tests/test_layers.py::test_a_init_range",),
+    ),
+]
+
+
+def source_files() -> list[str]:
+    """Tracked and untracked-but-not-ignored files: the working tree as it stands."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line and (ROOT / line).is_file()]
+
+
+def copy_tree(dest: Path) -> None:
+    for rel in source_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+
+
+def pytest_args(tests: tuple[str, ...], full: bool) -> list[str]:
+    if full:
+        return []
+    args: list[str] = []
+    for test in tests:
+        args += test.split(" ", 1) if test.startswith("-k ") else [test]
+    return args
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], full: bool) -> tuple[bool, float, str]:
+    """(passed, seconds, last lines of the output) of pytest in ``tree``, importing griffin from there."""
+    env = {**os.environ, "PYTHONPATH": str(tree / "src") + os.pathsep + str(tree)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *pytest_args(tests, full)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    return proc.returncode == 0, time.perf_counter() - start, tail
+
+
+def check(mutation: Mutation, full: bool) -> dict[str, str]:
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        path = tree / mutation.path
+        text = path.read_text() if path.is_file() else ""
+        if text.count(mutation.old) != 1:
+            return {"outcome": "STALE", "detail": f"{mutation.path} does not hold the snippet exactly once"}
+        passed, _, tail = run_tests(tree, mutation.tests, full)
+        if not passed:
+            return {"outcome": "BASELINE FAILS", "detail": tail}
+        path.write_text(text.replace(mutation.old, mutation.new))
+        passed, seconds, tail = run_tests(tree, mutation.tests, full)
+        failed = [line for line in tail.splitlines() if line.startswith("FAILED")]
+        if passed:
+            return {"outcome": "MISSED", "detail": f"the tests pass with the bug ({seconds:.0f} s)"}
+        return {"outcome": "caught", "detail": (failed[0] if failed else tail.splitlines()[-1])[:160]}
+
+
+def table(results: dict[str, dict[str, str]] | None = None) -> str:
+    lines = ["| mutation | the bug | file | tests that must fail |" + (" outcome |" if results else ""),
+             "|---|---|---|---|" + ("---|" if results else "")]
+    for m in MUTATIONS:
+        tests = "<br>".join(f"`{t}`" for t in m.tests)
+        row = f"| `{m.name}` | {m.bug} | `{m.path}` | {tests} |"
+        if results and m.name in results:
+            row += f" {results[m.name]['outcome']} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutations to check (default: all)")
+    parser.add_argument("--full", action="store_true", help="run the whole default suite for each mutation")
+    parser.add_argument("--list", action="store_true", help="print the table of mutations and exit")
+    parser.add_argument("--record", metavar="MD", help="write the table with the outcomes to this Markdown file")
+    args = parser.parse_args(argv)
+    if args.list:
+        print(table())
+        return 0
+    known = {m.name for m in MUTATIONS}
+    unknown = sorted(set(args.names) - known)
+    if unknown:
+        parser.error(f"unknown mutations {unknown}; known: {sorted(known)}")
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    results: dict[str, dict[str, str]] = {}
+    for m in chosen:
+        start = time.perf_counter()
+        results[m.name] = check(m, args.full)
+        print(f"{m.name:>16}: {results[m.name]['outcome']:<14} {time.perf_counter() - start:5.0f} s  "
+              f"{results[m.name]['detail']}", flush=True)
+    if args.record:
+        scope = "the whole default suite" if args.full else "the tests named for each"
+        header = (f"# Mutation check\n\nDeliberate bugs and the tests that catch them, written by "
+                  f"`python tools/mutations.py --record {args.record}`{' --full' if args.full else ''} on "
+                  f"{datetime.date.today()} (each bug applied to a copy of the tree, then {scope} run; "
+                  "`caught` means the tests failed). Re-run it after moving code: a stale snippet is reported.\n\n")
+        Path(args.record).write_text(header + table(results) + "\n")
+    return 0 if all(r["outcome"] == "caught" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
