@@ -4,7 +4,7 @@ Paths, all greedy at batch ``--batch`` after the same ``--prompt``-token prompts
 (:mod:`griffin.bench`, same weights for griffin's Griffin and HF's RecurrentGemma):
 
 - ``forward``: the generic path, ``model(tokens[:, None], cache=cache)`` (checks, masks and RoPE rebuilt each step);
-- ``decoder``: :func:`griffin.generate.generate_stream`, i.e. :class:`griffin.generate.Decoder` in eager mode;
+- ``decoder``: ``generate_stream``, i.e. ``griffin.inference.generate.Decoder`` in eager mode;
 - ``compiled``: the same with ``compile=True`` (``torch.compile`` of ``CausalLM.decode_step``; ``--compile``);
 - ``hf``: HF transformers' ``generate`` of RecurrentGemma.
 
@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from griffin.bench import build_models, cpu_name, make_prompts, parse_args, table
-from griffin.generate import generate_stream, prefill
+from griffin.inference.generate import generate_stream, prefill
 from griffin.model import CausalLM
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from griffin.ops.scan import linear_scan
-from griffin.ops.scan_cpu import _backward_kernel, _forward_kernel, channel_chunk
+from griffin.ops.scan.cpu import _backward_kernel, _forward_kernel, channel_chunk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

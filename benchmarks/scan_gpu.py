@@ -1,6 +1,6 @@
 """GPU benchmark of the RG-LRU (paper Section 4.2, Figure 9a setting of Appendix D: batch 8, width 1024).
 
-Times the fused Triton kernel (:mod:`griffin.ops.rg_lru_triton`) against, in the same run, a large device-to-device
+Times the fused Triton kernel (:mod:`griffin.ops.rg_lru.triton`) against, in the same run, a large device-to-device
 copy (the practical bandwidth limit), the naive PyTorch loop (:func:`griffin.ops.rg_lru.rg_lru_ref`), torch.compile
 of the gate math plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
 (``benchmarks/scan_peers.py`` says how, without internet). Every implementation is first checked against the
@@ -31,7 +31,7 @@ import triton
 from torch import Tensor
 from triton.testing import do_bench, do_bench_cudagraph
 
-import griffin.ops.rg_lru_triton as kernels
+import griffin.ops.rg_lru.triton as kernels
 from griffin.ops.rg_lru import rg_lru_gates, rg_lru_ref
 
 sys.path.insert(0, str(Path(__file__).parent))

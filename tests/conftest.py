@@ -20,7 +20,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason
 
 def import_official_torch():
     """``recurrentgemma.torch`` (without JAX); the package is in the test extra, so a missing one fails."""
-    from griffin.bench import import_official_torch as load
+    from griffin.interop.official import import_official_torch as load
 
     return load()
 

@@ -18,7 +18,7 @@ from griffin.data import (
     prepare,
     unigram_loss,
 )
-from griffin.tokenizer import train_bpe
+from griffin.data.tokenizer import train_bpe
 
 WORDS = "the griffin hawk gated linear recurrence local attention token window état 日本 🙂 λ".split()
 

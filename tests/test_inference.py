@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from griffin import CausalLM, ModelConfig
-from griffin.cache import Cache, cache_bytes
-from griffin.generate import Decoder, prefill, sample
-from griffin.layers.linear import PrepackedLinear, can_prepack
+from griffin.inference.cache import Cache, cache_bytes
+from griffin.inference.generate import Decoder, prefill, sample
+from griffin.inference.prepack import PrepackedLinear, can_prepack
 from tests.conftest import DEVICES, perturb_
 
 FAMILIES = ["mqa", "hawk", "griffin"]

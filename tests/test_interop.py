@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from griffin import CausalLM, ModelConfig
-from griffin.checkpoint import CheckpointError, export_hf, to_official_state
+from griffin.interop import CheckpointError, export_hf, to_official_state
 from tests.conftest import import_official_torch, perturb_, seed_torch
 
 WINDOW = 8

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from griffin import ModelConfig
+from griffin.inference.prepack import PrepackedLinear, can_prepack
 from griffin.layers import CGLRU, RGLRU, BlockDiagonalLinear, CausalConv1D, GatedMLP, MultiQueryAttention, RMSNorm
-from griffin.layers.linear import PrepackedLinear, can_prepack
 from griffin.layers.recurrent_block import RecurrentBlock
 from griffin.layers.rope import apply_rope, rope_angles
 from griffin.ops.local_attention import MAX_CHUNK
@@ -335,7 +335,7 @@ def test_lru_decode_step(gen, dtype, lru_type):
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_attention_decode_step(gen, dtype, local, kv_heads):
     """Writes the same slot and attends like forward with a cache, including over a wrapped ring buffer."""
-    from griffin.cache import DecodeState, init_cache
+    from griffin.inference.cache import DecodeState, init_cache
     from griffin.layers.attention import DecodeInputs
     from griffin.layers.rope import rope_angles
 
@@ -371,7 +371,7 @@ def test_attention_decode_step(gen, dtype, local, kv_heads):
 
 @pytest.mark.parametrize("dtype", DECODE_DTYPES)
 def test_recurrent_block_decode_step(gen, dtype):
-    from griffin.cache import init_cache
+    from griffin.inference.cache import init_cache
 
     cfg = ModelConfig(family="hawk", width=8, rnn_width=12, gate_blocks=3, depth=1)
     block = RecurrentBlock(cfg).to(dtype)

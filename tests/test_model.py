@@ -148,7 +148,7 @@ def test_forward_updates_the_cache_in_place(gen, family):
 @torch.no_grad()
 def test_decode_step_continues_the_sequence(gen, family):
     """CausalLM.decode_step (no checks, no host syncs) with a hand-made DecodeState gives forward's logits."""
-    from griffin.cache import DecodeState
+    from griffin.inference.cache import DecodeState
 
     model = tiny(family, gen, embed_scale=True, logits_soft_cap=5.0).eval()
     ids = torch.randint(0, 32, (5, 12), generator=gen)

@@ -1,10 +1,10 @@
-"""The fused CPU RG-LRU (griffin.ops.rg_lru_cpu) against the reference operator."""
+"""The fused CPU RG-LRU (griffin.ops.rg_lru.cpu) against the reference operator."""
 
 import pytest
 import torch
 
 from griffin.ops.rg_lru import rg_lru_ref
-from griffin.ops.rg_lru_cpu import rg_lru_cpu
+from griffin.ops.rg_lru.cpu import rg_lru_cpu
 
 
 def inputs(gen, B, T, D, dtype, p_reset=0.1, lam_scale=1.0):
@@ -77,7 +77,7 @@ def test_vectorizable_exp_is_accurate_and_keeps_nan():
     import numba
     import numpy as np
 
-    from griffin.ops.rg_lru_cpu import exp_vectorizable
+    from griffin.ops.rg_lru.cpu import exp_vectorizable
 
     @numba.njit
     def apply(z):

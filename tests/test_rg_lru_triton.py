@@ -21,7 +21,7 @@ if sys.platform != "linux":  # the test extra installs Triton on Linux, where it
 import triton  # noqa: E402,F401
 
 from griffin.ops.rg_lru import rg_lru, rg_lru_ref  # noqa: E402
-from griffin.ops.rg_lru_triton import rg_lru_triton, select_config  # noqa: E402
+from griffin.ops.rg_lru.triton import rg_lru_triton, select_config  # noqa: E402
 from tests.conftest import max_relative_error  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -1,4 +1,4 @@
-"""The linear scan: the fast CPU backend (griffin.ops.scan_cpu) against the reference and exact results.
+"""The linear scan: the fast CPU backend (griffin.ops.scan.cpu) against the reference and exact results.
 
 Fast outputs are compared with :func:`linear_scan_ref` run in float64 on the same (already rounded) inputs. The
 tolerance is a first-order rounding-error bound computed from that float64 truth (unit roundoff u of the
@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from griffin.ops import scan, scan_cpu
+from griffin.ops import scan
+from griffin.ops.scan import cpu as scan_cpu
 from griffin.ops.scan import default_backend, linear_scan, linear_scan_ref
 
 TRIALS = range(3)  # fresh inputs from the seeded generator each time (tests.conftest.gen)

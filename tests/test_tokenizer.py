@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from griffin.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer, train_bpe
+from griffin.data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer, train_bpe
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "griffin mixes gated linear recurrences",
           "with local attention", "hawk is a pure recurrent model"] * 20

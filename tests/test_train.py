@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from griffin import CausalLM
-from griffin.checkpoint import CheckpointError
 from griffin.cli import main
 from griffin.data import prepare
+from griffin.interop import CheckpointError
 from griffin.training import TrainConfig, Trainer, TrainingError, train
 from griffin.training.checkpoint import find_resumable, list_checkpoints, verify_checkpoint
 from griffin.training.trainer import build_optimizer, learning_rate, no_weight_decay
@@ -359,7 +359,7 @@ def test_cli_train_end_to_end(dataset, tmp_path, capsys):
 
 
 def test_bpe_run_keeps_its_tokenizer_beside_the_checkpoint(tmp_path, capsys):
-    from griffin.tokenizer import load_tokenizer, train_bpe
+    from griffin.data.tokenizer import load_tokenizer, train_bpe
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

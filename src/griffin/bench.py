@@ -6,7 +6,7 @@ Measures, for three models of the same width and depth that differ only in their
 1. latency (Figure 4): seconds to sample N tokens greedily at a fixed batch, after an empty prompt (one BOS
    token) and after a long prompt;
 2. maximum throughput (Figure 1b): batch x N / latency after an empty prompt, doubling the batch while the
-   predicted memory (parameters + :func:`griffin.cache.cache_bytes` + decode activations) fits a budget;
+   predicted memory (parameters + :func:`griffin.inference.cache.cache_bytes` + decode activations) fits a budget;
 3. the same Griffin weights in HF transformers' RecurrentGemma (built by HF, saved, loaded by griffin's
    importer) and in the official ``recurrentgemma`` package's PyTorch model (``recurrentgemma.torch.Griffin``,
    given griffin's weights): greedy outputs compared, and each peer's generation timed beside griffin's at the
@@ -16,7 +16,8 @@ Measures, for three models of the same width and depth that differ only in their
    once) as a fraction of the machine's measured copy bandwidth.
 
 Everything is timed with ``time.perf_counter`` after warm-up runs (medians over ``--repeats``). griffin is timed
-through :func:`griffin.generate.generate_stream` at temperature 0, the loop that ``CausalLM.generate`` consumes;
+through :func:`griffin.inference.generate.generate_stream`
+at temperature 0, the loop that ``CausalLM.generate`` consumes;
 its per-token timestamps give the prefill time and the median decode step at no extra cost.
 
     python benchmarks/inference.py                       # CPU-sized defaults (about 8 minutes on 2 cores)
@@ -26,15 +27,12 @@ its per-token timestamps give the prefill time and the median decode step at no 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +41,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from griffin.cache import cache_bytes
-from griffin.checkpoint import to_official_state
 from griffin.config import ModelConfig, nominal_size
-from griffin.generate import generate_stream
+from griffin.inference.cache import cache_bytes
+from griffin.inference.generate import generate_stream
+from griffin.interop.official import import_official_torch, to_official_state
 from griffin.model import CausalLM
 
 FAMILIES = ("mqa", "hawk", "griffin")
@@ -154,24 +152,6 @@ def build_models(args: argparse.Namespace, dtype: torch.dtype, device: torch.dev
     return models, hf_model
 
 
-def import_official_torch() -> Any:
-    """The official package's ``recurrentgemma.torch`` without running ``recurrentgemma/__init__`` (which imports
-    JAX). Raises ImportError if the package is not installed."""
-    if "recurrentgemma.torch" in sys.modules:
-        return sys.modules["recurrentgemma.torch"]
-    spec = importlib.util.find_spec("recurrentgemma")
-    if spec is None or spec.submodule_search_locations is None:
-        raise ImportError("the recurrentgemma package is not installed")
-    if "recurrentgemma" not in sys.modules:
-        package = types.ModuleType("recurrentgemma")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec  # so that importlib.util.find_spec("recurrentgemma") still answers
-        sys.modules["recurrentgemma"] = package
-    import recurrentgemma.torch as rg
-
-    return rg
-
-
 def official_griffin(model: CausalLM) -> Any:
     """``recurrentgemma.torch.Griffin`` with ``model``'s weights (a model in RecurrentGemma's conventions, e.g. one
     loaded from HF), for inference: no gradient checkpointing."""
@@ -226,7 +206,7 @@ class Run:
 
 
 def run_griffin(model: CausalLM, prompts: Tensor, n: int, compile: bool = False) -> Run:
-    """Sample ``n`` tokens greedily with :func:`griffin.generate.generate_stream` (what ``generate`` runs);
+    """Sample ``n`` tokens greedily with :func:`griffin.inference.generate.generate_stream` (what ``generate`` runs);
     ``compile``: with the ``torch.compile``d decode step, compiled for these shapes first (untimed)."""
     device = model.device
     if compile:

@@ -41,7 +41,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from griffin.checkpoint import export_hf, load_pretrained, save_official
+    from griffin.interop import export_hf, load_pretrained, save_official
 
     overrides = {}
     if args.window is not None:
@@ -65,7 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from griffin.checkpoint import detect_format, load_pretrained
+    from griffin.interop import detect_format, load_pretrained
 
     if args.path in PRESETS:
         cfg = ModelConfig.from_preset(args.path)
@@ -108,10 +108,10 @@ def _tokenizer_spec(spec: str, checkpoint: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from griffin.cache import Cache
-    from griffin.checkpoint import load_pretrained
-    from griffin.generate import check_sampling, decode_stream, prefill
-    from griffin.tokenizer import load_tokenizer
+    from griffin.data.tokenizer import load_tokenizer
+    from griffin.inference.cache import Cache
+    from griffin.inference.generate import check_sampling, decode_stream, prefill
+    from griffin.interop import load_pretrained
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _read_prompts(args)
@@ -221,7 +221,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from griffin.tokenizer import load_tokenizer, train_bpe
+    from griffin.data.tokenizer import load_tokenizer, train_bpe
 
     path = train_bpe(args.inputs, args.out, args.vocab_size, text_field=args.text_field)
     print(f"wrote {path}: {load_tokenizer(path).vocab_size} tokens")

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.cache import EMPTY, AttentionCache, Cache, DecodeState, RecurrentCache, init_cache
 from griffin.config import ModelConfig
+from griffin.inference.cache import EMPTY, AttentionCache, Cache, DecodeState, RecurrentCache, init_cache
+from griffin.inference.prepack import LinearFn
 from griffin.layers import GatedMLP, MultiQueryAttention, RecurrentBlock, RMSNorm
 from griffin.layers.attention import DecodeInputs
-from griffin.layers.linear import LinearFn
 from griffin.layers.rope import rope_angles
 from griffin.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy
 
@@ -191,11 +191,11 @@ class CausalLM(nn.Module):
         (Section 5): the decode step alone, with no input checks and no host syncs.
 
         Updates ``cache`` (all but the host counter ``cache.step``, which the caller advances) and ``state``
-        (:meth:`griffin.cache.DecodeState.from_cache`) in place. With ``kv_len=None`` every shape is static and
+        (:meth:`DecodeState.from_cache`) in place. With ``kv_len=None`` every shape is static and
         nothing depends on a Python value that changes between steps, so the step can be compiled or captured
         in a CUDA graph; eager callers pass ``kv_len = cache.step + 1`` to attend only over the slots in use.
-        ``linear`` does every weight matmul (e.g. :class:`griffin.layers.linear.PrepackedLinear`).
-        :class:`griffin.generate.Decoder` does all of this and checks the inputs once.
+        ``linear`` does every weight matmul (e.g. :class:`griffin.inference.prepack.PrepackedLinear`).
+        :class:`griffin.inference.generate.Decoder` does all of this and checks the inputs once.
         """
         x = self.embed_tokens(tokens)
         inputs = None
@@ -219,21 +219,21 @@ class CausalLM(nn.Module):
         return init_cache(self.config, batch_size, max_length, self.dtype, self.device)
 
     def generate(self, input_ids, max_new_tokens: int = 64, **kwargs) -> list[list[int]]:
-        """Sample continuations of prompts; see :func:`griffin.generate.generate_stream` for the options
+        """Sample continuations of prompts; see :func:`griffin.inference.generate.generate_stream` for the options
         (temperature, top_k, top_p, seed, stop_tokens, cache, max_length, chunk_size, compile)."""
-        from griffin.generate import generate
+        from griffin.inference.generate import generate
 
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
     def generate_stream(self, input_ids, max_new_tokens: int = 64, **kwargs):
         """Like :meth:`generate`, yielding each step's tokens as they are produced."""
-        from griffin.generate import generate_stream
+        from griffin.inference.generate import generate_stream
 
         return generate_stream(self, input_ids, max_new_tokens, **kwargs)
 
     def check_cache(self, cache: Cache, batch_size: int) -> None:
         if not isinstance(cache, Cache):
-            raise TypeError(f"cache must be a griffin.cache.Cache, got {type(cache).__name__}")
+            raise TypeError(f"cache must be a griffin.inference.cache.Cache, got {type(cache).__name__}")
         if cache.config.replace(name="") != self.config.replace(name=""):
             raise ValueError("the cache was made for a different model config")
         if cache.batch_size != batch_size:
@@ -241,12 +241,12 @@ class CausalLM(nn.Module):
 
     # Checkpoints ----------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
-        from griffin.checkpoint import save_pretrained
+        from griffin.interop import save_pretrained
 
         save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> CausalLM:
-        from griffin.checkpoint import load_pretrained
+        from griffin.interop import load_pretrained
 
         return load_pretrained(path, **kwargs)

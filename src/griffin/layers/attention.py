@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.cache import AttentionCache, DecodeState
 from griffin.config import ModelConfig
-from griffin.layers.linear import LinearFn
+from griffin.inference.cache import AttentionCache, DecodeState
+from griffin.inference.prepack import LinearFn
 from griffin.layers.rope import apply_rope, rope_angles, rotate
 from griffin.ops.local_attention import fused_sdpa, sliding_window_attention
 

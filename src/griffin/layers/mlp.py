@@ -7,7 +7,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.layers.linear import LinearFn
+from griffin.inference.prepack import LinearFn
 
 
 class GatedMLP(nn.Module):

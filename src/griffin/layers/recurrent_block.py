@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.cache import RecurrentCache
 from griffin.config import ModelConfig
+from griffin.inference.cache import RecurrentCache
+from griffin.inference.prepack import LinearFn
 from griffin.layers.conv1d import CausalConv1D
-from griffin.layers.linear import LinearFn
 from griffin.layers.rg_lru import CGLRU, RGLRU
 
 
@@ -60,7 +60,7 @@ class RecurrentBlock(nn.Module):
     def decode_step(self, x: Tensor, cache: RecurrentCache, linear: LinearFn = F.linear) -> Tensor:
         """One token per row (Section 5): x (B, D) continues the documents in ``cache``, updated in place. The
         arithmetic of :meth:`forward` at T = 1, without masks, resets or a reassigned state; ``linear`` does the
-        matmuls (:class:`griffin.layers.linear.PrepackedLinear` on CPU)."""
+        matmuls (:class:`griffin.inference.prepack.PrepackedLinear` on CPU)."""
         y = F.gelu(linear(x, self.linear_y.weight, self.linear_y.bias), approximate=self.config.gelu_approximation)
         u = linear(x, self.linear_x.weight, self.linear_x.bias)
         h = self.rg_lru.decode_step(self.conv_1d.decode_step(u, cache.conv), cache.h)

@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from griffin.checkpoint import CheckpointError, save_pretrained
+from griffin.interop import CheckpointError, save_pretrained
 from griffin.model import CausalLM
 
 MANIFEST = "manifest.json"
@@ -216,7 +216,7 @@ def find_resumable(root: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Verify ``path``, load model, optimizer and RNG states in place, and return the trainer state."""
-    from griffin.checkpoint import WEIGHTS_NAME, load_state_checked
+    from griffin.interop import WEIGHTS_NAME, load_state_checked
 
     path = Path(path)
     verify_checkpoint(path)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from griffin.checkpoint import CheckpointError
+from griffin.interop import CheckpointError
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.training.checkpoint import (

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from griffin.ops.rg_lru import MAX_SQRT_GRADIENT, check_rg_lru_inputs
+from griffin.ops.rg_lru.reference import MAX_SQRT_GRADIENT, check_rg_lru_inputs
 
 # Constants are constexpr (Triton refuses other globals in a kernel); each stands to the right of a tensor operand:
 # in Triton 3.9's interpreter ``constexpr * tensor`` gives a constexpr wrapping the tensor, which tl.exp2 refuses.

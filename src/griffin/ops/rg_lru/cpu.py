@@ -25,9 +25,9 @@ from numba import prange, types
 from numba.extending import intrinsic
 from torch import Tensor
 
-from griffin.ops.rg_lru import MAX_SQRT_GRADIENT
-from griffin.ops.scan import accumulation_dtype
-from griffin.ops.scan_cpu import channel_chunk, empty_like_hugepages
+from griffin.ops.rg_lru.reference import MAX_SQRT_GRADIENT
+from griffin.ops.scan.cpu import channel_chunk, empty_like_hugepages
+from griffin.ops.scan.reference import accumulation_dtype
 
 _MIN_2U = 1.0 / MAX_SQRT_GRADIENT  # d sqrt(u)/du = 1 / max(2 sqrt(u), _MIN_2U), as sqrt_bound_derivative
 

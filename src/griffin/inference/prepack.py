@@ -52,7 +52,7 @@ class PrepackedLinear:
     """``F.linear`` for the given weight matrices, re-laid out for oneDNN for ``batch_size`` rows; other weights
     (or any weight, if oneDNN is unavailable) go through ``F.linear``. The copies are made here, once (as much
     memory as the weights): later changes to the weights are not seen, so make one per generation (as
-    :class:`griffin.generate.Decoder` does).
+    :class:`griffin.inference.generate.Decoder` does).
     """
 
     def __init__(self, weights: Iterable[Tensor], batch_size: int) -> None:

@@ -111,7 +111,7 @@ class Cache:
         """Write the cache to a safetensors file (atomically), with the model config it belongs to."""
         from safetensors.torch import save_file
 
-        from griffin.checkpoint import atomic_write
+        from griffin.io import atomic_write
 
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}
         meta = {"config": json.dumps(self.config.to_dict()), "step": str(self.step),

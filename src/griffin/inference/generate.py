@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.cache import Cache, DecodeState
-from griffin.layers.linear import LinearFn, PrepackedLinear, can_prepack
+from griffin.inference.cache import Cache, DecodeState
+from griffin.inference.prepack import LinearFn, PrepackedLinear, can_prepack
 
 if TYPE_CHECKING:
     from griffin.model import CausalLM
@@ -152,14 +152,14 @@ class Decoder:
     (B, vocab) of the next ones and advances the cache in place.
 
     Everything that needs the host is done once, here: the cache is checked against the model, every row must
-    continue a document (a prompt was prefilled), and the device-side :class:`griffin.cache.DecodeState` is
+    continue a document (a prompt was prefilled), and the device-side :class:`griffin.inference.cache.DecodeState` is
     derived. A step then checks only the host counter ``cache.step`` (against the global-attention KV cache's
     size) and runs :meth:`griffin.CausalLM.decode_step`; token ids are not checked (they are sampled from the
     model's own logits). If something else advances the cache in between (e.g. ``model(ids, cache=cache)``),
     the state is derived again.
 
     ``prepack`` (default: on CPU, eager or compiled): the weight matmuls use copies of the weights laid out for
-    oneDNN (:class:`griffin.layers.linear.PrepackedLinear`), made here: faster, equal to the generic path up to
+    oneDNN (:class:`griffin.inference.prepack.PrepackedLinear`), made here: faster, equal to the generic path up to
     float32 rounding, blind to later changes of the weights, and as large as the weights while the decoder lives
     (pass ``prepack=False`` where memory is tight). With ``prepack=False`` a step gives the logits
     of ``model(tokens[:, None], cache=cache)`` bit for bit. ``compile=True`` runs the step through
@@ -229,7 +229,7 @@ def generate_stream(
     """Yield, at each step, the token sampled for every row (None for rows that have stopped).
 
     A row stops after producing one of ``stop_tokens`` (which is yielded). ``cache`` continues from a saved
-    state (see :class:`griffin.cache.Cache`); it is updated in place. ``max_length`` sizes the KV cache of
+    state (see :class:`griffin.inference.cache.Cache`); it is updated in place. ``max_length`` sizes the KV cache of
     global attention (default: the longest prompt plus ``max_new_tokens``). ``compile``: decode with a
     ``torch.compile``d step (see :class:`Decoder`).
     """

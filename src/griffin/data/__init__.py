@@ -253,7 +253,7 @@ class _SplitWriter:
 
 def _encoder(tok: Any):
     """A function from a list of texts to a list of int arrays, batched where the tokenizer allows it."""
-    from griffin.tokenizer import ByteTokenizer, HFTokenizer
+    from griffin.data.tokenizer import ByteTokenizer, HFTokenizer
 
     if isinstance(tok, ByteTokenizer):
         return lambda texts: [np.frombuffer(t.encode("utf-8", "surrogateescape"), np.uint8) for t in texts]
@@ -320,7 +320,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     tokenize), and the dataset is built in a temporary directory that replaces ``out_dir`` only once complete."""
     from tqdm import tqdm
 
-    from griffin.tokenizer import load_tokenizer
+    from griffin.data.tokenizer import load_tokenizer
 
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -432,7 +432,7 @@ def load_meta(data_dir: str | Path) -> dict:
 
 def load_dataset_tokenizer(data_dir: str | Path):
     """The tokenizer a dataset was prepared with (its copy inside ``data_dir``)."""
-    from griffin.tokenizer import load_tokenizer
+    from griffin.data.tokenizer import load_tokenizer
 
     spec = load_meta(data_dir)["tokenizer"]
     return load_tokenizer(spec if spec == "bytes" else Path(data_dir) / spec)

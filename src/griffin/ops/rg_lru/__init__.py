@@ -19,70 +19,19 @@ import importlib.util
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from griffin.ops.rg_lru.reference import (
+    MAX_SQRT_GRADIENT,
+    check_rg_lru_inputs,
+    rg_lru_gates,
+    rg_lru_ref,
+    sqrt_bound_derivative,
+)
 from griffin.ops.scan import linear_scan
 
-MAX_SQRT_GRADIENT = 1000.0
 BACKENDS = ("triton", "cpu", "torch", "ref")
 _ENV_VAR = "GRIFFIN_RG_LRU_BACKEND"
-
-
-class SqrtBoundDerivative(torch.autograd.Function):
-    """sqrt(x) whose derivative is clipped at MAX_SQRT_GRADIENT (stable in bfloat16 as a_t -> 1)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x)
-        return torch.sqrt(x)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor) -> Tensor:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        return grad_output / torch.sqrt(torch.clip(4.0 * x, min=1.0 / MAX_SQRT_GRADIENT**2))
-
-
-def sqrt_bound_derivative(x: Tensor) -> Tensor:
-    return SqrtBoundDerivative.apply(x)
-
-
-def rg_lru_gates(
-    x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: float, reset: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """The scan coefficients (a_t, b_t) of the RG-LRU, in x's dtype."""
-    log_a = -c * torch.sigmoid(gate_a) * F.softplus(a_param)
-    a = torch.exp(log_a)
-    multiplier = sqrt_bound_derivative(1.0 - torch.exp(2.0 * log_a))
-    if reset is not None:
-        multiplier = torch.where(reset[..., None], torch.ones_like(multiplier), multiplier)
-    b = x * torch.sigmoid(gate_x) * multiplier.to(x.dtype)
-    return a.to(x.dtype), b
-
-
-def check_rg_lru_inputs(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> None:
-    if x.dim() != 3:
-        raise ValueError(f"rg_lru: x must have shape (batch, time, width), got {tuple(x.shape)}")
-    for name, t in (("gate_x", gate_x), ("gate_a", gate_a)):
-        if t.shape != x.shape:
-            raise ValueError(f"rg_lru: {name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
-    if a_param.shape != x.shape[-1:]:
-        raise ValueError(f"rg_lru: a_param must have shape ({x.shape[-1]},), got {tuple(a_param.shape)}")
-
-
-def rg_lru_ref(
-    x: Tensor,
-    gate_x: Tensor,
-    gate_a: Tensor,
-    a_param: Tensor,
-    c: float = 8.0,
-    h0: Tensor | None = None,
-    reset: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Reference RG-LRU: PyTorch gate math and the reference Python-loop scan. Returns (y, h_last)."""
-    check_rg_lru_inputs(x, gate_x, gate_a, a_param)
-    a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
-    return linear_scan(a, b, h0, reset, backend="ref")
 
 
 def rg_lru(
@@ -98,8 +47,8 @@ def rg_lru(
 ) -> tuple[Tensor, Tensor]:
     """The RG-LRU operator (see the module docstring). Returns y (like x) and the fp32 final state.
 
-    backend: "triton" (fused GPU kernel, :mod:`griffin.ops.rg_lru_triton`), "cpu" (fused CPU kernel,
-    :mod:`griffin.ops.rg_lru_cpu`), "torch" (PyTorch gate math, then :func:`linear_scan` with its default backend)
+    backend: "triton" (fused GPU kernel, :mod:`griffin.ops.rg_lru.triton`), "cpu" (fused CPU kernel,
+    :mod:`griffin.ops.rg_lru.cpu`), "torch" (PyTorch gate math, then :func:`linear_scan` with its default backend)
     or "ref" (:func:`rg_lru_ref`). None: ``$GRIFFIN_RG_LRU_BACKEND`` if set, else "triton" for 16/32-bit CUDA
     inputs when Triton is importable, "cpu" for real floating CPU inputs, else "torch"; always "torch" for one
     time step (decoding).
@@ -108,11 +57,11 @@ def rg_lru(
     if backend is None:
         backend = os.environ.get(_ENV_VAR) or _default_backend(x)
     if backend == "triton":
-        from griffin.ops.rg_lru_triton import rg_lru_triton
+        from griffin.ops.rg_lru.triton import rg_lru_triton
 
         return rg_lru_triton(x, gate_x, gate_a, a_param, c, h0, reset)
     if backend == "cpu":
-        from griffin.ops.rg_lru_cpu import rg_lru_cpu  # numba is imported on first use only
+        from griffin.ops.rg_lru.cpu import rg_lru_cpu  # numba is imported on first use only
 
         return rg_lru_cpu(x, gate_x, gate_a, a_param, c, h0, reset)
     if backend == "ref":
@@ -132,3 +81,7 @@ def _default_backend(x: Tensor) -> str:
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         return "cpu"
     return "torch"
+
+
+__all__ = ["BACKENDS", "MAX_SQRT_GRADIENT", "check_rg_lru_inputs", "rg_lru", "rg_lru_gates", "rg_lru_ref",
+           "sqrt_bound_derivative"]

@@ -29,7 +29,7 @@ from numba import prange
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from griffin.ops.scan import accumulation_dtype, check_scan_inputs
+from griffin.ops.scan.reference import accumulation_dtype, check_scan_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _LINE = 16  # float32 values per 64-byte cache line: channel blocks are multiples of this

@@ -1,0 +1,80 @@
+"""Checkpoints: griffin's own format, HuggingFace RecurrentGemma directories and official `recurrentgemma` files.
+
+griffin format: a directory with ``config.json`` (a :class:`ModelConfig`) and ``model.safetensors``.
+HF format: ``config.json`` with ``model_type: recurrent_gemma`` and one or more ``*.safetensors`` files.
+Official format: a PyTorch state dict of ``recurrentgemma.torch.Griffin`` saved with ``torch.save``; it is read
+with ``torch.load(weights_only=True)`` (never unpickling arbitrary objects) and its config is inferred from shapes.
+
+The two reference implementations differ in semantics, and each import reproduces its own:
+- window: HF's query sees ``attention_window_size`` keys (itself included), the official one sees
+  ``attention_window_size + 1``; ``ModelConfig.attention_window`` counts keys seen, itself included.
+- packed documents: both reset the RG-LRU and isolate attention at a document start; only the official one
+  also masks the Conv1D (``ModelConfig.conv1d_document_reset``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from griffin.interop.hf import export_hf, hf_config_to_griffin, load_hf
+from griffin.interop.native import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    load_griffin,
+    load_state_checked,
+    save_pretrained,
+)
+from griffin.interop.official import load_official, official_config_from_state, save_official, to_official_state
+from griffin.model import CausalLM
+
+
+def detect_format(path: str | Path) -> str:
+    """``griffin``, ``hf`` or ``official`` for a checkpoint path."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.is_file():
+        if path.suffix in (".pt", ".pth", ".ckpt", ".bin"):
+            return "official"
+        raise CheckpointError(f"{path}: expected a directory or a .pt/.pth/.ckpt official state dict")
+    config = path / CONFIG_NAME
+    if config.exists():
+        cfg = json.loads(config.read_text())
+        if cfg.get("model_type") == "recurrent_gemma":
+            return "hf"
+        if "family" in cfg and "width" in cfg:
+            return "griffin"
+        raise CheckpointError(f"{config} is neither a griffin nor an HF RecurrentGemma config")
+    candidates = [p for p in path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt")]
+    if len(candidates) == 1:
+        return "official"
+    raise CheckpointError(f"{path} has no {CONFIG_NAME} and not exactly one .pt/.pth/.ckpt file")
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, **overrides: Any) -> CausalLM:
+    """Load a griffin, HF RecurrentGemma or official recurrentgemma checkpoint (format detected).
+
+    ``overrides`` apply to official checkpoints only (``attention_window_size``, ``logits_soft_cap``,
+    ``embed_scale``), whose config is not stored with the weights.
+    """
+    path = Path(path)
+    fmt = detect_format(path)
+    if overrides and fmt != "official":
+        raise TypeError(f"options {sorted(overrides)} only apply to official checkpoints, not {fmt}")
+    if fmt == "griffin":
+        return load_griffin(path, dtype)
+    if fmt == "hf":
+        return load_hf(path, dtype)
+    if path.is_dir():
+        path = next(p for p in path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt"))
+    return load_official(path, dtype, **overrides)
+
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "CheckpointError", "detect_format", "export_hf", "hf_config_to_griffin",
+           "load_pretrained", "load_state_checked", "official_config_from_state", "save_official", "save_pretrained",
+           "to_official_state"]

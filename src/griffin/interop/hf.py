@@ -1,0 +1,168 @@
+"""HuggingFace ``transformers`` RecurrentGemma directories: ``config.json`` with ``model_type: recurrent_gemma`` and
+``*.safetensors`` weights, imported with HF's semantics (the Conv1D is not reset at document starts; a query sees
+``attention_window_size`` keys, itself included) and exported from griffin models that HF can express."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from griffin.config import ModelConfig
+from griffin.interop.native import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, build_model
+from griffin.io import write_json, write_safetensors
+from griffin.model import CausalLM
+
+
+def hf_config_to_griffin(cfg: dict[str, Any]) -> ModelConfig:
+    """ModelConfig reproducing ``transformers``' RecurrentGemmaForCausalLM for an HF config.json."""
+    depth = int(cfg["num_hidden_layers"])
+    pattern = list(cfg.get("block_types") or ["recurrent", "recurrent", "attention"])
+    block_types = tuple("recurrent" if pattern[i % len(pattern)] == "recurrent" else "local_attention"
+                        for i in range(depth))
+    width, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    rope = cfg.get("rope_parameters") or {}
+    activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation not in ("gelu_pytorch_tanh", "gelu"):
+        raise CheckpointError(f"unsupported hidden_activation {activation!r} in HF config")
+    families = {"recurrent": "hawk", "local_attention": "griffin"}
+    return ModelConfig(
+        family="griffin" if "local_attention" in block_types else families["recurrent"],
+        vocab_size=int(cfg["vocab_size"]),
+        width=width,
+        depth=depth,
+        rnn_width=int(cfg.get("lru_width") or width),
+        mlp_width=int(cfg["intermediate_size"]) // 2,
+        num_heads=heads,
+        head_dim=width // heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        block_types=block_types,
+        attention_window=int(cfg.get("attention_window_size", 2048)),
+        conv1d_width=int(cfg.get("conv1d_width", 4)),
+        gate_blocks=heads,
+        rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10_000.0))),
+        rope_fraction=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))),
+        tie_embeddings=True,
+        embed_scale=True,
+        logits_soft_cap=float(cfg.get("logits_soft_cap", 30.0)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        gelu_approximation="tanh" if activation == "gelu_pytorch_tanh" else "none",
+        conv1d_document_reset=False,
+        attention_document_mask=True,
+    )
+
+
+def _hf_name_map(config: ModelConfig) -> dict[str, str]:
+    """griffin name -> HF name, for tensors whose layout is the same up to the transforms below."""
+    names = {"embed.weight": "model.embed_tokens.weight", "final_norm.scale": "model.final_norm.weight"}
+    for i, kind in enumerate(config.block_types):
+        g, h = f"blocks.{i}.", f"model.layers.{i}."
+        names[g + "temporal_pre_norm.scale"] = h + "temporal_pre_norm.weight"
+        names[g + "channel_pre_norm.scale"] = h + "channel_pre_norm.weight"
+        for lin in ("gate_proj", "up_proj", "down_proj"):
+            for p in ("weight", "bias"):
+                names[f"{g}mlp_block.{lin}.{p}"] = f"{h}mlp_block.{lin}.{p}"
+        gt, ht = g + "temporal_block.", h + "temporal_block."
+        if kind == "recurrent":
+            for lin in ("linear_x", "linear_y", "linear_out"):
+                for p in ("weight", "bias"):
+                    names[f"{gt}{lin}.{p}"] = f"{ht}{lin}.{p}"
+            names[gt + "conv_1d.w"] = ht + "conv_1d.weight"
+            names[gt + "conv_1d.b"] = ht + "conv_1d.bias"
+            names[gt + "rg_lru.a_param"] = ht + "rg_lru.recurrent_param"
+            names[gt + "rg_lru.input_gate.w"] = ht + "rg_lru.input_gate_weight"
+            names[gt + "rg_lru.input_gate.b"] = ht + "rg_lru.input_gate_bias"
+            names[gt + "rg_lru.a_gate.w"] = ht + "rg_lru.recurrent_gate_weight"
+            names[gt + "rg_lru.a_gate.b"] = ht + "rg_lru.recurrent_gate_bias"
+        else:
+            for ours, theirs in (("proj_q", "q_proj"), ("proj_k", "k_proj"), ("proj_v", "v_proj")):
+                names[f"{gt}{ours}.weight"] = f"{ht}{theirs}.weight"
+            names[gt + "proj_final.weight"] = ht + "o_proj.weight"
+            names[gt + "proj_final.bias"] = ht + "o_proj.bias"
+    return names
+
+
+def _conv_from_hf(w: Tensor) -> Tensor:  # (R, 1, K) -> (K, R)
+    return w[:, 0, :].T.contiguous() if w.dim() == 3 else w
+
+
+def load_hf(directory: Path, dtype: torch.dtype | None) -> CausalLM:
+    config = hf_config_to_griffin(json.loads((directory / CONFIG_NAME).read_text()))
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} holds an HF config but no *.safetensors weights")
+    hf: dict[str, Tensor] = {}
+    for f in files:
+        hf.update(load_file(str(f)))
+    names = _hf_name_map(config)
+    expected = set(names.values())
+    problems = [f"missing: {n}" for n in sorted(expected - set(hf))]
+    problems += [f"unexpected: {n}" for n in sorted(set(hf) - expected - {"lm_head.weight"})]
+    if problems:
+        raise CheckpointError(f"cannot load {directory}:\n  " + "\n  ".join(problems))
+    state = {ours: _conv_from_hf(hf[theirs]) if ours.endswith("conv_1d.w") else hf[theirs]
+             for ours, theirs in names.items()}
+    return build_model(config, state, str(directory), dtype)
+
+
+def export_hf(model: CausalLM, directory: str | Path) -> None:
+    """Write ``model`` as a HuggingFace RecurrentGemma directory (config.json + model.safetensors)."""
+    c = model.config
+    problems = []
+    if "attention" in c.block_types:
+        problems.append("global attention blocks (HF RecurrentGemma only has local attention)")
+    if c.head_dim * c.num_heads != c.width:
+        problems.append(f"head_dim={c.head_dim} * num_heads={c.num_heads} != width={c.width}")
+    if c.gate_blocks != c.num_heads:
+        problems.append(f"gate_blocks={c.gate_blocks} != num_heads={c.num_heads}")
+    if not c.embed_scale:
+        problems.append("embed_scale=False (HF always scales embeddings by sqrt(width))")
+    if not c.logits_soft_cap:
+        problems.append("no logits_soft_cap (HF always soft-caps logits)")
+    if not c.tie_embeddings:
+        problems.append("untied embeddings")
+    if c.complex_lru:
+        problems.append("the complex CG-LRU")
+    if not c.attention_document_mask:
+        problems.append("attention_document_mask=False")
+    if problems:
+        raise CheckpointError("this model cannot be expressed as HF RecurrentGemma: " + "; ".join(problems))
+    if c.conv1d_document_reset:
+        warnings.warn("HF RecurrentGemma does not reset the Conv1D at document starts: logits on packed "
+                      "documents will differ from griffin's (single documents are unaffected)", stacklevel=2)
+    pattern = ["recurrent" if k == "recurrent" else "attention" for k in c.block_types]
+    cfg = {
+        "architectures": ["RecurrentGemmaForCausalLM"],
+        "model_type": "recurrent_gemma",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.width,
+        "intermediate_size": 2 * c.mlp_width,
+        "num_hidden_layers": c.depth,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "lru_width": c.rnn_width,
+        "attention_window_size": c.attention_window,
+        "conv1d_width": c.conv1d_width,
+        "logits_soft_cap": c.logits_soft_cap,
+        "rms_norm_eps": c.norm_eps,
+        "hidden_activation": "gelu_pytorch_tanh" if c.gelu_approximation == "tanh" else "gelu",
+        "rope_theta": c.rope_base,
+        "partial_rotary_factor": c.rope_fraction,
+        "block_types": pattern,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": str(model.dtype).removeprefix("torch."),
+    }
+    state = model.state_dict()
+    hf = {}
+    for ours, theirs in _hf_name_map(c).items():
+        t = state[ours]
+        hf[theirs] = t.T[:, None, :] if ours.endswith("conv_1d.w") else t
+    directory = Path(directory)
+    write_safetensors(directory / WEIGHTS_NAME, hf, {"format": "pt"})
+    write_json(directory / CONFIG_NAME, cfg)

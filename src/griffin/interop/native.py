@@ -1,0 +1,71 @@
+"""griffin's own checkpoint format: a directory with ``config.json`` (a :class:`griffin.config.ModelConfig`) and
+``model.safetensors``, each written atomically; and loading a state dict into a model with every problem named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from griffin.config import ModelConfig
+from griffin.io import write_json, write_safetensors
+from griffin.model import CausalLM
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into the model it describes."""
+
+
+def load_state_checked(model: CausalLM, state: dict[str, Tensor], source: str) -> None:
+    """Load ``state`` into ``model``; raise one error that names every missing, unexpected or misshapen tensor."""
+    expected = model.state_dict()
+    problems = []
+    for name in sorted(set(expected) - set(state)):
+        problems.append(f"missing: {name} {tuple(expected[name].shape)}")
+    for name in sorted(set(state) - set(expected)):
+        problems.append(f"unexpected: {name} {tuple(state[name].shape)}")
+    for name in sorted(set(state) & set(expected)):
+        if tuple(state[name].shape) != tuple(expected[name].shape):
+            problems.append(
+                f"shape mismatch: {name} is {tuple(state[name].shape)} in {source}, "
+                f"model expects {tuple(expected[name].shape)}"
+            )
+    if problems:
+        raise CheckpointError(f"cannot load {source}:\n  " + "\n  ".join(problems))
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            tensor.copy_(state[name].to(tensor.dtype))
+
+
+def build_model(config: ModelConfig, state: dict[str, Tensor], source: str, dtype: torch.dtype | None) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device="cpu")
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype if state else torch.float32
+        dtype = dtype if dtype.is_floating_point else torch.float32
+    model = model.to(dtype)
+    load_state_checked(model, state, source)
+    return model.eval()
+
+
+def save_pretrained(model: CausalLM, directory: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (each atomically) into ``directory``."""
+    directory = Path(directory)
+    state = dict(model.state_dict())
+    write_safetensors(directory / WEIGHTS_NAME, state, {"format": "pt", "library": "griffin"})
+    write_json(directory / CONFIG_NAME, model.config.to_dict())
+
+
+def load_griffin(directory: Path, dtype: torch.dtype | None) -> CausalLM:
+    config = ModelConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
+    weights = directory / WEIGHTS_NAME
+    if not weights.exists():
+        raise CheckpointError(f"{directory} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
+    return build_model(config, load_file(str(weights)), str(weights), dtype)
