@@ -1,7 +1,7 @@
 """Profile of one decode step (paper Section 5): time and aten operators per generated token.
 
 Paths, all greedy at batch ``--batch`` after the same ``--prompt``-token prompts, on the benchmark's models
-(:mod:`griffin.bench`, same weights for griffin's Griffin and HF's RecurrentGemma):
+(``benchmarks/inference.py``, same weights for griffin's Griffin and HF's RecurrentGemma):
 
 - ``forward``: the generic path, ``model(tokens[:, None], cache=cache)`` (checks, masks and RoPE rebuilt each step);
 - ``decoder``: ``generate_stream``, i.e. ``griffin.inference.generate.Decoder`` in eager mode;
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +34,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from griffin.bench import build_models, cpu_name, make_prompts, parse_args, table
 from griffin.inference.generate import generate_stream, prefill
 from griffin.model import CausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_name, table  # noqa: E402
+from inference import build_models, make_prompts, parse_args  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):

@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from griffin import CausalLM, ModelConfig
-from griffin.bench import machine_info, median_time, sync
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, median_time, sync  # noqa: E402
 
 # name -> (GRIFFIN_RG_LRU_BACKEND, GRIFFIN_SCAN_BACKEND)
 BACKENDS = {

@@ -1,6 +1,6 @@
 """Sliding-window attention (Section 2.3): griffin's chunked kernel against the alternatives, on the same inputs.
 
-    chunked (C)      griffin.ops.local_attention.sliding_window_attention, C queries per chunk (default window/4)
+    chunked (C)      griffin.ops.attention.sliding_window_attention, C queries per chunk (default window/4)
     chunked, C = W   the same with chunks as long as the window (the old default: 2x the useful work)
     5-D chunks       chunks of C = W passed as one 5-D tensor (griffin's path before: PyTorch's CPU dispatch
                      sends it to the unfused math kernel)
@@ -19,13 +19,17 @@ GFLOP/s" counts 4·d FLOPs per (query, key) pair the window lets a query see, wh
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from griffin.bench import machine_info, median_time, sync, write_json
-from griffin.ops.local_attention import local_chunk, sliding_window_attention, sliding_window_attention_ref
+from griffin.ops.attention import local_chunk, sliding_window_attention, sliding_window_attention_ref
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, median_time, sync, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

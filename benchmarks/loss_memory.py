@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-from griffin.bench import cpu_name, table, write_json
 from griffin.ops.cross_entropy import chunked_cross_entropy, cross_entropy_ref
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_name, table, write_json  # noqa: E402
 
 
 def run_case(tokens: int, width: int, vocab: int, chunk: int, repeats: int) -> dict:

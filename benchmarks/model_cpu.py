@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from griffin.bench import cpu_name, median_time
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_name, median_time  # noqa: E402
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor, logits_of) -> None:
@@ -33,7 +35,7 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, logits_of) -> None:
 def make_models(width: int, depth: int, vocab: int, window: int):
     import transformers
 
-    from griffin import CausalLM
+    from griffin import load_pretrained
 
     cfg = transformers.RecurrentGemmaConfig(
         vocab_size=vocab, hidden_size=width, intermediate_size=6 * width, num_hidden_layers=depth,
@@ -44,7 +46,7 @@ def make_models(width: int, depth: int, vocab: int, window: int):
     hf = transformers.RecurrentGemmaForCausalLM(cfg).train()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        ours = CausalLM.from_pretrained(tmp).train()
+        ours = load_pretrained(tmp).train()
     return hf, ours
 
 

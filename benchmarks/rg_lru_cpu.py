@@ -15,12 +15,16 @@ interleaved per shape so that host load drifts hit every path alike. GB/s = byte
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from griffin.bench import machine_info, median_time, write_json
 from griffin.ops.rg_lru import rg_lru, rg_lru_gates
 from griffin.ops.scan import linear_scan
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, median_time, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SCANS = {"unfused": "cpu", "assoc": "assoc"}  # the scan after the PyTorch gate math

@@ -32,10 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from griffin.bench import label, machine_info, progress, sync, table
 from griffin.config import PAPER_SIZES, ModelConfig, nominal_size
 from griffin.flops import flops_per_token, model_flops_utilization, peak_flops, training_flops_per_token
 from griffin.model import CausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import label, machine_info, progress, sync, table  # noqa: E402
 
 FAMILIES = ("mqa", "hawk", "griffin")
 

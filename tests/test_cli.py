@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from griffin import CausalLM, ModelConfig
+from griffin import CausalLM, ModelConfig, generate, load_pretrained, save_pretrained
 from griffin.cli import main
 from tests.conftest import perturb_, seed_torch
 
@@ -19,15 +19,15 @@ def test_convert_between_all_formats(tmp_path, gen, capsys):
                                   conv1d_document_reset=False)
     model = CausalLM(cfg)
     perturb_(model, gen)
-    model.save_pretrained(tmp_path / "g")
+    save_pretrained(model, tmp_path / "g")
     ids = torch.randint(0, 32, (1, 25), generator=gen)
     expected = model.eval()(ids)
     assert main(["convert", str(tmp_path / "g"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.pt"), "--to", "official"]) == 0
     assert main(["convert", str(tmp_path / "o.pt"), str(tmp_path / "back"), "--window", "5"]) == 0
-    back = CausalLM.from_pretrained(tmp_path / "back")
+    back = load_pretrained(tmp_path / "back")
     assert back.config.attention_window == 6  # official window 5 = 6 keys seen
-    torch.testing.assert_close(CausalLM.from_pretrained(tmp_path / "hf")(ids), expected)
+    torch.testing.assert_close(load_pretrained(tmp_path / "hf")(ids), expected)
     assert main(["info", str(tmp_path / "hf")]) == 0
     assert "format: hf" in capsys.readouterr().out
 
@@ -42,11 +42,11 @@ def test_convert_reports_errors(tmp_path, capsys):
 def test_generate_command(tmp_path, gen, capsys):
     seed_torch(gen)
     model = CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256))
-    model.save_pretrained(tmp_path / "m")
+    save_pretrained(model, tmp_path / "m")
     base = ["generate", str(tmp_path / "m"), "--tokenizer", "bytes", "--max-new-tokens", "6", "--temperature", "0"]
     assert main([*base, "--prompt", "hello"]) == 0
     out = capsys.readouterr().out
-    expected = bytes(model.generate([list(b"hello")], 6, temperature=0)[0]).decode("utf-8", "replace")
+    expected = bytes(generate(model, [list(b"hello")], 6, temperature=0)[0]).decode("utf-8", "replace")
     assert out == "hello" + expected + "\n"
     # A snapshot after a prompt, continued later, gives the continuation of prompt + continuation.
     assert main([*base, "--prompt", "hel", "--max-new-tokens", "0", "--save-state", str(tmp_path / "s")]) == 0
@@ -62,7 +62,7 @@ def test_generate_command(tmp_path, gen, capsys):
 
 def test_generate_compiled_gives_the_same_greedy_text(tmp_path, gen, capsys):
     seed_torch(gen)
-    CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256)).save_pretrained(tmp_path / "m")
+    save_pretrained(CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256)), tmp_path / "m")
     base = ["generate", str(tmp_path / "m"), "--tokenizer", "bytes", "--max-new-tokens", "12", "--temperature", "0",
             "--prompt", "hello"]
     assert main(base) == 0

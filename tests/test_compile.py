@@ -41,6 +41,6 @@ def test_compiled_model_matches_eager(family, gen, device):
 
 def test_compiled_chunked_local_attention_matches_eager(gen, monkeypatch):
     """Local attention in several query chunks (4 queries, window 6, 23 tokens, two documents) under compile."""
-    monkeypatch.setattr("griffin.ops.local_attention.MIN_CHUNK", 4)
-    monkeypatch.setattr("griffin.ops.local_attention.MAX_CHUNK", 4)
+    monkeypatch.setattr("griffin.ops.attention.MIN_CHUNK", 4)
+    monkeypatch.setattr("griffin.ops.attention.MAX_CHUNK", 4)
     check_compiled_matches_eager("griffin", gen)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
+import griffin.layers.attention as attention_layer
+import griffin.ops.attention as attention_ops
 from griffin import CausalLM, ModelConfig
-from griffin.config import count_parameters
 from griffin.flops import (
     ATTENTION_KEYS,
     COMPONENTS,
@@ -24,8 +25,7 @@ from griffin.flops import (
     table_peak,
     training_flops_per_token,
 )
-from griffin.layers.attention import MultiQueryAttention
-from griffin.ops import local_attention as local_ops
+from griffin.model import count_parameters
 from tests.conftest import seed_torch
 
 aten = torch.ops.aten
@@ -48,12 +48,14 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
     """FlopCounterMode's count of one forward pass (matmuls, bmm, SDPA), the attention FLOPs the SDPA calls
     execute (every score they compute, masked or not) and the useful ones (4 d per visible (query, key) pair)."""
     executed, useful = [0], [0.0]
-    original = MultiQueryAttention._sdpa
 
     def record_executed(q, k):
         executed[0] += 4 * q.shape[-1] * math.prod(q.shape[:-1]) * k.shape[-2]
 
-    def recording_sdpa(self, q, k, v, mask, causal=False):  # global attention, and local within one window
+    layer_sdpa, ops_sdpa = attention_layer.fused_sdpa, attention_ops.fused_sdpa
+    local_attention = attention_layer.sliding_window_attention
+
+    def recording_layer_sdpa(q, k, v, mask=None, scale=None, causal=False):  # attention within one sequence
         record_executed(q, k)
         tq = q.shape[-2]
         if causal:
@@ -61,13 +63,11 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
         else:
             pairs = mask.expand(*q.shape[:-1], k.shape[-2]).sum().item()
         useful[0] += 4 * q.shape[-1] * pairs
-        return original(self, q, k, v, mask, causal)
+        return layer_sdpa(q, k, v, mask, scale, causal)
 
-    local_sdpa, local_attention = local_ops.fused_sdpa, local_ops.sliding_window_attention
-
-    def recording_local_sdpa(q, k, v, mask=None, scale=None, causal=False):  # every score, masked or not
+    def recording_ops_sdpa(q, k, v, mask=None, scale=None, causal=False):  # local attention's chunks
         record_executed(q, k)
-        return local_sdpa(q, k, v, mask, scale, causal)
+        return ops_sdpa(q, k, v, mask, scale, causal)
 
     def recording_local_attention(q, k, v, window, scale=None, q_seg=None, k_seg=None):  # (B, T, H, d)
         T = q.shape[1]
@@ -75,9 +75,9 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
         useful[0] += 4 * q.shape[-1] * q.shape[0] * q.shape[2] * ((delta >= 0) & (delta < window)).sum().item()
         return local_attention(q, k, v, window, scale, q_seg, k_seg)
 
-    monkeypatch.setattr(MultiQueryAttention, "_sdpa", recording_sdpa)
-    monkeypatch.setattr(local_ops, "fused_sdpa", recording_local_sdpa)
-    monkeypatch.setattr("griffin.layers.attention.sliding_window_attention", recording_local_attention)
+    monkeypatch.setattr(attention_layer, "fused_sdpa", recording_layer_sdpa)
+    monkeypatch.setattr(attention_ops, "fused_sdpa", recording_ops_sdpa)
+    monkeypatch.setattr(attention_layer, "sliding_window_attention", recording_local_attention)
     # SDPA on CPU runs as _scaled_dot_product_flash_attention_for_cpu, which FlopCounterMode does not know.
     counter = FlopCounterMode(display=False,
                               custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop})

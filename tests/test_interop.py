@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from griffin import CausalLM, ModelConfig
+from griffin import CausalLM, ModelConfig, load_pretrained, save_pretrained
 from griffin.interop import CheckpointError, export_hf, to_official_state
 from tests.conftest import import_official_torch, perturb_, seed_torch
 
@@ -35,7 +35,7 @@ def packed_positions(lengths):
 def test_hf_logits_match(gen, tmp_path):
     hf = hf_model(gen)
     hf.save_pretrained(tmp_path)
-    ours = CausalLM.from_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
     assert ours.config.attention_window == WINDOW and not ours.config.conv1d_document_reset
     ids = torch.randint(0, 64, (2, T), generator=gen)
     diff = (hf(ids, use_cache=False).logits - ours(ids)).abs().max()
@@ -50,9 +50,9 @@ def test_hf_logits_match(gen, tmp_path):
 def test_hf_export_round_trip(gen, tmp_path):
     hf = hf_model(gen)
     hf.save_pretrained(tmp_path / "hf")
-    ours = CausalLM.from_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
     export_hf(ours, tmp_path / "exported")
-    again = CausalLM.from_pretrained(tmp_path / "exported")
+    again = load_pretrained(tmp_path / "exported")
     hf_again = transformers.RecurrentGemmaForCausalLM.from_pretrained(tmp_path / "exported").eval()
     ids = torch.randint(0, 64, (2, T), generator=gen)
     reference = ours(ids)
@@ -92,7 +92,7 @@ def test_hf_missing_and_unexpected_tensors_are_named(gen, tmp_path):
     state["model.layers.0.extra"] = torch.zeros(1)
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
-        CausalLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
     assert "missing: model.layers.1.temporal_block.rg_lru.recurrent_param" in str(err.value)
     assert "unexpected: model.layers.0.extra" in str(err.value)
 
@@ -118,7 +118,7 @@ def test_official_logits_match(gen, tmp_path, block_types):
     rg = import_official_torch()
     official = official_model(gen, rg, block_types)
     torch.save(official.state_dict(), tmp_path / "griffin.pt")
-    ours = CausalLM.from_pretrained(tmp_path / "griffin.pt", attention_window_size=WINDOW)
+    ours = load_pretrained(tmp_path / "griffin.pt", attention_window_size=WINDOW)
     assert ours.config.attention_window == WINDOW + 1  # the official mask admits window_size + 1 keys
     ids = torch.randint(0, 64, (2, T), generator=gen)
     for lengths in ([T], [17, 1, T - 18]):
@@ -132,7 +132,7 @@ def test_official_state_round_trip(gen, tmp_path):
     rg = import_official_torch()
     official = official_model(gen, rg, "rrarr")
     torch.save(official.state_dict(), tmp_path / "griffin.pt")
-    ours = CausalLM.from_pretrained(tmp_path / "griffin.pt", attention_window_size=WINDOW)
+    ours = load_pretrained(tmp_path / "griffin.pt", attention_window_size=WINDOW)
     state = to_official_state(ours)
     for name, tensor in official.state_dict().items():
         assert torch.equal(state[name], tensor), name
@@ -146,34 +146,34 @@ def test_official_file_is_loaded_without_unpickling_objects(tmp_path):
 
     torch.save({"embedder.input_embedding": Evil()}, tmp_path / "evil.pt")
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
-        CausalLM.from_pretrained(tmp_path / "evil.pt")
+        load_pretrained(tmp_path / "evil.pt")
 
 
 def test_griffin_format_round_trip(gen, tmp_path):
     seed_torch(gen)
     model = CausalLM(ModelConfig.from_preset("griffin-tiny", complex_lru=True))
     perturb_(model, gen)
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
-    loaded = CausalLM.from_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path)
     ids = torch.randint(0, 32, (2, 20), generator=gen)
     assert torch.equal(loaded(ids), model.eval()(ids))
     assert loaded.config == model.config
 
 
 def test_griffin_format_shape_mismatch_is_named(tmp_path):
-    CausalLM(ModelConfig.from_preset("griffin-tiny")).save_pretrained(tmp_path)
+    save_pretrained(CausalLM(ModelConfig.from_preset("griffin-tiny")), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["rnn_width"] = 32
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as err:
-        CausalLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
     assert "shape mismatch: blocks.0.temporal_block.linear_x.weight is (24, 16)" in str(err.value)
 
 
 def test_unrecognised_paths(tmp_path):
     with pytest.raises(FileNotFoundError):
-        CausalLM.from_pretrained(tmp_path / "nope")
+        load_pretrained(tmp_path / "nope")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="neither a griffin nor an HF"):
-        CausalLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)

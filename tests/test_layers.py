@@ -7,12 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from griffin import ModelConfig
-from griffin.inference.prepack import PrepackedLinear, can_prepack
-from griffin.layers import CGLRU, RGLRU, BlockDiagonalLinear, CausalConv1D, GatedMLP, MultiQueryAttention, RMSNorm
+from griffin.inference.prepack import PackedLinear, can_prepack
+from griffin.layers import (
+    CGLRU,
+    RGLRU,
+    BlockDiagonalLinear,
+    CausalConv1D,
+    Context,
+    GatedMLP,
+    MultiQueryAttention,
+    RMSNorm,
+)
 from griffin.layers.recurrent_block import RecurrentBlock
 from griffin.layers.rope import apply_rope, rope_angles
-from griffin.ops.local_attention import MAX_CHUNK
-from tests.conftest import seed_torch
+from griffin.ops.attention import MAX_CHUNK
+from tests.conftest import rg_lru_formula, seed_torch
 
 
 def rand(gen, *shape, dtype=torch.float64):
@@ -77,7 +86,10 @@ def test_rope_is_a_rotation_by_position(gen):
 def naive_attention(att: MultiQueryAttention, x, positions, segments, window):
     """Softmax attention written out query by query, with an explicit list of visible keys."""
     B, T, _ = x.shape
-    q, k, v = att.project(x, positions)
+    cos, sin = rope_angles(positions, att.config.rope_dim, att.config.rope_base)
+    q = apply_rope(att.proj_q(x).view(B, T, att.num_heads, att.head_dim), cos.double(), sin.double())
+    k = apply_rope(att.proj_k(x).view(B, T, att.num_kv_heads, att.head_dim), cos.double(), sin.double())
+    v = att.proj_v(x).view(B, T, att.num_kv_heads, att.head_dim)
     groups = att.num_heads // att.num_kv_heads
     out = torch.zeros(B, T, att.num_heads, att.head_dim, dtype=x.dtype)
     for b in range(B):
@@ -107,8 +119,8 @@ def test_attention_against_naive(gen, local, kv_heads, packed):
         positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
     else:
         segments, positions = None, torch.arange(T).expand(B, T)
-    torch.testing.assert_close(att(x, positions, segments),
-                               naive_attention(att, x, positions, segments, 5 if local else None))
+    ctx = attention_context(positions, segments, cfg, torch.float64)
+    torch.testing.assert_close(att(x, ctx), naive_attention(att, x, positions, segments, 5 if local else None))
 
 
 def _doc_positions(reset_row):
@@ -130,15 +142,18 @@ def test_chunked_local_attention_matches_full_mask(gen, window, packed):
     reset = random_resets(gen, B, T, 0.01) if packed else torch.zeros(B, T, dtype=torch.bool)
     segments = torch.cumsum(reset, 1) if packed else None
     positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
-    q, k, v = (t.transpose(1, 2) for t in att.project(x, positions))
+    ctx = attention_context(positions, segments, cfg, torch.float64)
+    q = apply_rope(att.proj_q(x).view(B, T, 2, 8), *ctx.rope).transpose(1, 2)
+    k = apply_rope(att.proj_k(x).view(B, T, 1, 8), *ctx.rope).transpose(1, 2)
+    v = att.proj_v(x).view(B, T, 1, 8).transpose(1, 2)
     i = torch.arange(T)
     mask = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)
     if packed:
         mask = mask & (segments[:, :, None] == segments[:, None, :])
         mask = mask[:, None]
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8**-0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8**-0.5, enable_gqa=True)
     ref = att.proj_final(ref.transpose(1, 2).reshape(B, T, -1))
-    torch.testing.assert_close(att(x, positions, segments), ref)
+    torch.testing.assert_close(att(x, ctx), ref)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -201,20 +216,9 @@ def test_a_init_range(gen):
     assert ks(a_uniform) > 2 * 1.95 / n**0.5
 
 
-def rg_lru_formula(lru: RGLRU, x, reset, h0=None):
-    """Section 2.4 literally: a = sigmoid(-Lambda), a_t = a^(c r_t), power form (not log space)."""
-    B, T, D = x.shape
-    r = torch.sigmoid(lru.a_gate(x))
-    i = torch.sigmoid(lru.input_gate(x))
-    a = torch.sigmoid(-lru.a_param)
-    h = torch.zeros(B, D, dtype=x.dtype) if h0 is None else h0
-    ys = []
-    for t in range(T):
-        a_t = a ** (lru.c * r[:, t])
-        start = reset[:, t, None] if reset is not None else torch.zeros(B, 1, dtype=torch.bool)
-        h = torch.where(start, i[:, t] * x[:, t], a_t * h + torch.sqrt(1 - a_t**2) * (i[:, t] * x[:, t]))
-        ys.append(h)
-    return torch.stack(ys, 1), h
+def lru_formula(lru: RGLRU, x, reset, h0=None):
+    """Section 2.4 literally (tests.conftest.rg_lru_formula) with the layer's gates."""
+    return rg_lru_formula(x, lru.input_gate(x), lru.a_gate(x), lru.a_param, lru.c, h0, reset)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -227,12 +231,12 @@ def test_rg_lru(gen, packed):
     reset = random_resets(gen, B, T, 0.2) if packed else None
     h0 = rand(gen, B, 12)
     y, h = lru(x, reset, h0)
-    ey, eh = rg_lru_formula(lru, x, reset if packed else None, h0)
+    ey, eh = lru_formula(lru, x, reset if packed else None, h0)
     if not packed:  # h0 only matters without a reset at t = 0
         torch.testing.assert_close(y, ey)
         torch.testing.assert_close(h, eh)
     else:
-        ey, eh = rg_lru_formula(lru, x, reset)
+        ey, eh = lru_formula(lru, x, reset)
         torch.testing.assert_close(y, ey)
 
 
@@ -260,8 +264,8 @@ def test_recurrent_block_composition(gen):
     x = rand(gen, 2, 7, 8)
     y_branch = F.gelu(block.linear_y(x), approximate="tanh")
     u = block.conv_1d(block.linear_x(x))
-    u, _ = rg_lru_formula(block.rg_lru, u, None)
-    torch.testing.assert_close(block(x), block.linear_out(u * y_branch))
+    u, _ = lru_formula(block.rg_lru, u, None)
+    torch.testing.assert_close(block(x, Context(torch.arange(7).expand(2, 7))), block.linear_out(u * y_branch))
 
 
 def test_gradcheck_layers(gen, monkeypatch):
@@ -280,17 +284,22 @@ def test_gradcheck_layers(gen, monkeypatch):
 
     cfg = ModelConfig(width=4, num_heads=2, head_dim=4, attention_window=3, depth=1, gate_blocks=2)
     att = MultiQueryAttention(cfg, local=True).double()
-    monkeypatch.setattr("griffin.ops.local_attention.MIN_CHUNK", 4)  # several chunks at a small T
+    monkeypatch.setattr("griffin.ops.attention.MIN_CHUNK", 4)  # several chunks at a small T
     xa = rand(gen, 1, 11, 4).requires_grad_()
-    pos = torch.arange(xa.shape[1])[None]
-    assert torch.autograd.gradcheck(lambda u: att(u, pos, None), (xa,))
+    ctx = attention_context(torch.arange(xa.shape[1])[None], None, cfg, torch.float64)
+    assert torch.autograd.gradcheck(lambda u: att(u, ctx), (xa,))
 
 
-# One-token decode steps (Section 5): the arithmetic of forward at T = 1, bit for bit ---------------------------
-DECODE_DTYPES = [torch.float32, torch.bfloat16]
+# Caches (Section 5): a layer fed its input in pieces through its cache equals the layer on the whole input -------
+CACHE_DTYPES = [torch.float32, torch.bfloat16]
+PIECES = [(0, 5), *((t, t + 1) for t in range(5, 11))]  # a prompt longer than the window (5), then single tokens
 
 
-@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+def tolerance(dtype):
+    return 1e-5 if dtype == torch.float32 else 3e-2
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 def test_block_diagonal_linear_any_leading_shape(gen, dtype):
     lin = BlockDiagonalLinear(12, 6, 3)
     dense = torch.block_diag(*lin.w.detach().double())
@@ -303,115 +312,100 @@ def test_block_diagonal_linear_any_leading_shape(gen, dtype):
         torch.testing.assert_close(y.double(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", DECODE_DTYPES)
-def test_conv1d_decode_step(gen, dtype):
-    conv = CausalConv1D(5, 4).to(dtype)
-    with torch.no_grad():
-        conv.b.copy_(rand(gen, 5))
-        state = rand(gen, 3, 3, 5).to(dtype)
-        x = rand(gen, 3, 5).to(dtype)
-        expected = conv(x[:, None], state=state)[:, 0]
-        new_state = torch.cat([state[:, 1:], x[:, None]], 1)
-        assert torch.equal(conv.decode_step(x, state), expected)
-        assert torch.equal(state, new_state)  # shifted in place
-
-
-@pytest.mark.parametrize("dtype", DECODE_DTYPES)
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("lru_type", [RGLRU, CGLRU])
-def test_lru_decode_step(gen, dtype, lru_type):
+@torch.no_grad()
+def test_lru_state_carries_over(gen, dtype, lru_type):
     lru = lru_type(12, 3).to(dtype)
-    with torch.no_grad():
-        lru.a_gate.b.copy_(rand(gen, 3, lru.a_gate.b.shape[1]))
-        x = rand(gen, 5, 12).to(dtype)
-        h = (rand(gen, 5, 12) if lru_type is RGLRU else torch.complex(rand(gen, 5, 6), rand(gen, 5, 6)))
-        h = h.to(torch.float32 if lru_type is RGLRU else torch.complex64)
-        y, h_last = lru(x[:, None], torch.zeros(5, 1, dtype=torch.bool), h)  # the generic path passes reset
-        assert torch.equal(lru.decode_step(x, h), y[:, 0])
-        assert torch.equal(h, h_last)
+    lru.a_gate.b.copy_(rand(gen, 3, lru.a_gate.b.shape[1]))
+    x = rand(gen, 4, 11, 12).to(dtype)
+    start = torch.zeros(4, 11, dtype=torch.bool)
+    start[:, 0] = True
+    whole, h_whole = lru(x, start)
+    h, outs = None, []
+    for a, b in PIECES:
+        y, h = lru(x[:, a:b], start[:, a:b] if a == 0 else None, h)
+        outs.append(y)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(torch.cat(outs, 1), whole, atol=tol, rtol=tol)
+    torch.testing.assert_close(h, h_whole, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", DECODE_DTYPES)
-@pytest.mark.parametrize("local", [False, True])
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_attention_decode_step(gen, dtype, local, kv_heads):
-    """Writes the same slot and attends like forward with a cache, including over a wrapped ring buffer."""
-    from griffin.inference.cache import DecodeState, init_cache
-    from griffin.layers.attention import DecodeInputs
+def attention_context(positions, segments, cfg, dtype, cache_len=None):
     from griffin.layers.rope import rope_angles
 
+    cos, sin = rope_angles(positions, cfg.rope_dim, cfg.rope_base)
+    return Context(positions, segments=segments, rope=(cos.to(dtype), sin.to(dtype)), cache_len=cache_len)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@torch.no_grad()
+def test_attention_cache_carries_over(gen, dtype, local, kv_heads):
+    """A prompt longer than the window, then one token at a time, through the block's KV cache (a ring buffer that
+    wraps, or preallocated slots): the outputs of the whole sequence at once."""
     cfg = ModelConfig(width=16, num_heads=4, num_kv_heads=kv_heads, head_dim=6, rope_fraction=2 / 3,
                       attention_window=5, depth=1, family="griffin" if local else "mqa",
                       block_types=("local_attention" if local else "attention",))
     att = MultiQueryAttention(cfg, local=local).to(dtype)
-    B, T = 3, 8
-    x = rand(gen, B, T + 4, 16).to(dtype)
-    with torch.no_grad():
-        cache = init_cache(cfg, B, T + 4, dtype)
-        positions = torch.arange(T).expand(B, T)
-        att(x[:, :T], positions, None, cache.blocks[0], 0)  # a prompt longer than the window
-        cache.step, cache.position = T, torch.full((B,), T)
-        generic = init_cache(cfg, B, T + 4, dtype)
-        generic.blocks[0] = type(cache.blocks[0])(**{k: v.clone() if isinstance(v, torch.Tensor) else v
-                                                     for k, v in vars(cache.blocks[0]).items()})
-        state = DecodeState.from_cache(cache, dtype)
-        for t in range(T, T + 4):
-            pos = torch.full((B, 1), t)
-            expected = att(x[:, t : t + 1], pos, torch.zeros(B, 1, dtype=torch.long), generic.blocks[0], t)[:, 0]
-            cos, sin = rope_angles(pos, cfg.rope_dim, cfg.rope_base)
-            slot = state.step % cfg.attention_window
-            bias = state.local_bias if local else state.global_bias
-            bias.index_fill_(1, slot if local else state.step, 0.0)
-            inputs = DecodeInputs(cos.to(dtype), sin.to(dtype), slot, state.step, t + 1)
-            assert torch.equal(att.decode_step(x[:, t], cache.blocks[0], state, inputs), expected)
-            state.step.add_(1)
-        for name, value in vars(generic.blocks[0]).items():
-            assert value == getattr(cache.blocks[0], name) if not isinstance(value, torch.Tensor) else \
-                torch.equal(value, getattr(cache.blocks[0], name)), name
+    B, T = 3, 11
+    x = rand(gen, B, T, 16).to(dtype)
+    positions = torch.arange(T).expand(B, T)
+    whole = att(x, attention_context(positions, None, cfg, dtype))
+    cache = att.init_cache(B, T, dtype, "cpu")
+    assert cache.k.shape == (B, 5 if local else T, kv_heads, 6)
+    outs = []
+    for a, b in PIECES:
+        ctx = attention_context(positions[:, a:b], torch.zeros(B, b - a, dtype=torch.long), cfg, dtype, b)
+        outs.append(att(x[:, a:b], ctx, cache))
+    tol = tolerance(dtype)
+    torch.testing.assert_close(torch.cat(outs, 1), whole, atol=tol, rtol=tol)
+    assert cache.count.tolist() == [T] * B
 
 
-@pytest.mark.parametrize("dtype", DECODE_DTYPES)
-def test_recurrent_block_decode_step(gen, dtype):
-    from griffin.inference.cache import init_cache
-
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@torch.no_grad()
+def test_recurrent_block_state_carries_over(gen, dtype):
     cfg = ModelConfig(family="hawk", width=8, rnn_width=12, gate_blocks=3, depth=1)
     block = RecurrentBlock(cfg).to(dtype)
-    x = rand(gen, 3, 6, 8).to(dtype)
-    with torch.no_grad():
-        a, b = init_cache(cfg, 3, dtype=dtype).blocks[0], init_cache(cfg, 3, dtype=dtype).blocks[0]
-        no = torch.zeros(3, 5, dtype=torch.bool)
-        block(x[:, :5], no, no, a)
-        block(x[:, :5], no, no, b)
-        expected = block(x[:, 5:], no[:, :1], no[:, :1], a)[:, 0]
-        assert torch.equal(block.decode_step(x[:, 5], b), expected)
-        assert torch.equal(a.conv, b.conv) and torch.equal(a.h, b.h)
+    x = rand(gen, 3, 11, 8).to(dtype)
+    positions = torch.arange(11).expand(3, 11)
+    whole = block(x, Context(positions, reset=positions == 0))
+    state = block.init_cache(3, None, dtype, "cpu")
+    assert state.h.dtype == torch.float32 and state.conv.shape == (3, 3, 12)
+    outs = [block(x[:, a:b], Context(positions[:, a:b], reset=positions[:, a:b] == 0 if a == 0 else None), state)
+            for a, b in PIECES]
+    tol = tolerance(dtype)
+    torch.testing.assert_close(torch.cat(outs, 1), whole, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(not can_prepack(torch.zeros(1, 1)), reason="PyTorch without oneDNN")
-@pytest.mark.parametrize("dtype", DECODE_DTYPES)
-def test_prepacked_linear(gen, dtype):
-    w, b, other = rand(gen, 24, 16).to(dtype), rand(gen, 24).to(dtype), rand(gen, 8, 16).to(dtype)
-    linear = PrepackedLinear([w, w], batch_size=5)
-    assert len(linear.packed) == 1
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_packed_linear(gen, dtype):
+    layer = torch.nn.Linear(16, 24).to(dtype)
+    packed = PackedLinear(layer.weight, layer.bias, batch_size=5)
+    assert packed.weight is layer.weight and "packed" not in packed.state_dict()
     x = rand(gen, 5, 16).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=tol, rtol=tol)
-    torch.testing.assert_close(linear(x[:3], w), F.linear(x[:3], w), atol=tol, rtol=tol)  # another batch size
-    assert torch.equal(linear(x, other), F.linear(x, other))  # not packed: F.linear itself
     with torch.no_grad():
-        w.add_(1.0)  # the packed copy does not follow: one packing per generation
-    assert not torch.allclose(linear(x, w, b), F.linear(x, w, b), atol=tol, rtol=tol)
+        torch.testing.assert_close(packed(x), layer(x), atol=tol, rtol=tol)
+        torch.testing.assert_close(packed(x[:3]), layer(x[:3]), atol=tol, rtol=tol)  # another batch size
+        layer.weight.add_(1.0)  # the packed copy does not follow: one packing per generation
+        assert not torch.allclose(packed(x), layer(x), atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(not can_prepack(torch.zeros(1, 1)), reason="PyTorch without oneDNN")
-def test_prepacked_linear_is_an_opaque_op_under_compile(gen):
+def test_packed_linear_is_an_opaque_op_under_compile(gen):
     """Under torch.compile the packed matmul runs as griffin::prepacked_linear (inductor cannot lower oneDNN's op):
     a compiled call traces it through its fake implementation, runs it, and equals the eager call."""
-    w, b = rand(gen, 24, 16).float(), rand(gen, 24).float()
-    linear = PrepackedLinear([w], batch_size=5)
+    layer = torch.nn.Linear(16, 24)
+    packed = PackedLinear(layer.weight, layer.bias, batch_size=5)
     x = rand(gen, 5, 16).float()
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: linear(x, w, b), fullgraph=True)
-    with torch.profiler.profile() as prof:
+    compiled = torch.compile(packed, fullgraph=True)
+    with torch.no_grad(), torch.profiler.profile() as prof:
         out = compiled(x)
     assert any(e.name == "griffin::prepacked_linear" for e in prof.events())
-    assert torch.equal(out, linear(x, w, b))
+    with torch.no_grad():
+        assert torch.equal(out, packed(x))

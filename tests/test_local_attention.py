@@ -1,11 +1,11 @@
-"""Chunked sliding-window attention (griffin.ops.local_attention) against its dense-mask reference."""
+"""Chunked sliding-window attention (griffin.ops.attention) against its dense-mask reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from griffin.ops.local_attention import fused_sdpa, local_chunk, sliding_window_attention, sliding_window_attention_ref
+from griffin.ops.attention import fused_sdpa, local_chunk, sliding_window_attention, sliding_window_attention_ref
 from tests.conftest import DEVICES
 
 

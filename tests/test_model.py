@@ -81,7 +81,7 @@ def test_output_layer_soft_capped(gen, tied):
     model = CausalLM(ModelConfig.from_preset("griffin-tiny", tie_embeddings=tied, logits_soft_cap=2.0,
                                              embed_scale=True))
     head = model.embed.weight if tied else model.lm_head.weight
-    assert tied == (model.lm_head is None)
+    assert tied == (not list(model.lm_head.parameters()))  # a tied output layer has no matrix of its own
     captured = []
     model.final_norm.register_forward_hook(lambda module, args, out: captured.append(out))
     ids = torch.randint(0, 16, (2, 9), generator=gen)  # tokens 16..31 never occur in the input
@@ -142,25 +142,6 @@ def test_forward_updates_the_cache_in_place(gen, family):
     model(torch.randint(0, 32, (3, 1), generator=gen), cache=cache)
     assert {k: v.data_ptr() for k, v in cache.tensors().items()} == storage
     assert all(not torch.equal(v, before[k]) for k, v in cache.tensors().items() if k.split(".")[-1] != "segment")
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@torch.no_grad()
-def test_decode_step_continues_the_sequence(gen, family):
-    """CausalLM.decode_step (no checks, no host syncs) with a hand-made DecodeState gives forward's logits."""
-    from griffin.inference.cache import DecodeState
-
-    model = tiny(family, gen, embed_scale=True, logits_soft_cap=5.0).eval()
-    ids = torch.randint(0, 32, (5, 12), generator=gen)
-    full = model(ids)
-    cache = model.init_cache(5, 12)
-    model(ids[:, :7], cache=cache)
-    state = DecodeState.from_cache(cache, model.dtype)
-    for t in range(7, 12):
-        logits = model.decode_step(ids[:, t], cache, state, kv_len=None if t % 2 else cache.step + 1)
-        cache.step += 1
-        torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=1e-5)
-    assert int(state.step) == cache.step == 12 and cache.position.tolist() == [12] * 5
 
 
 def test_embedding_scale_is_sqrt_width_in_bfloat16(gen):

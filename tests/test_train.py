@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from griffin import CausalLM
+from griffin import CausalLM, load_pretrained
 from griffin.cli import main
 from griffin.data import prepare
 from griffin.interop import CheckpointError
@@ -158,7 +158,7 @@ def test_training_run_writes_everything(dataset, tmp_path):
     steps = [p.name for p in list_checkpoints(out / "checkpoints")]
     best = (out / "checkpoints" / "best").resolve().name
     assert steps[-1] == "step_00000012" and set(steps) == {best, "step_00000012"}
-    model = CausalLM.from_pretrained(out / "checkpoints" / "latest")
+    model = load_pretrained(out / "checkpoints" / "latest")
     assert model.config.vocab_size == 256
     assert result.sample.startswith("the ")
 
@@ -355,7 +355,7 @@ def test_cli_train_end_to_end(dataset, tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "trained 4 steps: validation loss" in out and "sample:" in out
-    assert CausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "latest").config.depth == 2
+    assert load_pretrained(tmp_path / "run" / "checkpoints" / "latest").config.depth == 2
 
 
 def test_bpe_run_keeps_its_tokenizer_beside_the_checkpoint(tmp_path, capsys):
@@ -370,7 +370,7 @@ def test_bpe_run_keeps_its_tokenizer_beside_the_checkpoint(tmp_path, capsys):
     result = train(tiny(corpus, tmp_path / "run", tokenizer=str(tok), max_steps=3, sample_tokens=4))
     ckpt = result.checkpoint
     assert (ckpt / "tokenizer.json").read_bytes() == tok.read_bytes()
-    assert CausalLM.from_pretrained(ckpt).config.vocab_size == load_tokenizer(tok).vocab_size
+    assert load_pretrained(ckpt).config.vocab_size == load_tokenizer(tok).vocab_size
     capsys.readouterr()
     assert main(["generate", str(ckpt), "--prompt", "the of", "--max-new-tokens", "3", "--seed", "0"]) == 0
     assert capsys.readouterr().out.startswith("the of")
@@ -391,8 +391,8 @@ def test_data_parallel_over_two_processes_matches_one(dataset, tmp_path):
     assert got.keys() == ref.keys()
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), step
-    a = CausalLM.from_pretrained(one.checkpoint)
-    b = CausalLM.from_pretrained(tmp_path / "two" / "checkpoints" / "latest")
+    a = load_pretrained(one.checkpoint)
+    b = load_pretrained(tmp_path / "two" / "checkpoints" / "latest")
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from griffin.config import PAPER_SIZES, PRESETS, ModelConfig, count_parameters, nominal_size
+from griffin.config import PAPER_SIZES, PRESETS, ModelConfig, nominal_size
+from griffin.model import count_parameters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +42,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from griffin.interop import export_hf, load_pretrained, save_official
+    from griffin.interop import export_hf, load_pretrained, save_official, save_pretrained
 
     overrides = {}
     if args.window is not None:
@@ -49,19 +50,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model = load_pretrained(args.src, dtype=DTYPES[args.dtype] if args.dtype else None, **overrides)
     out = Path(args.dst)
     if args.to == "griffin":
-        model.save_pretrained(out)
+        save_pretrained(model, out)
     elif args.to == "hf":
         export_hf(model, out)
     else:
         save_official(model, out)
     print(f"wrote {args.to} checkpoint of {model.num_parameters():,} parameters to {out}")
     return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from griffin import bench
-
-    return bench.main(args.options)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -108,8 +103,8 @@ def _tokenizer_spec(spec: str, checkpoint: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from griffin.cache import Cache
     from griffin.data.tokenizer import load_tokenizer
-    from griffin.inference.cache import Cache
     from griffin.inference.generate import check_sampling, decode_stream, prefill
     from griffin.interop import load_pretrained
 
@@ -131,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     logits, cache = prefill(model, rows, cache, max_length, args.chunk_size)
     if args.save_state:
         cache.save(args.save_state)
-        print(f"saved the state after {cache.step} tokens to {args.save_state}", file=sys.stderr)
+        print(f"saved the state after {cache.length} tokens to {args.save_state}", file=sys.stderr)
     stops = list(args.stop_token or [])
     if tokenizer.eos_id is not None and not args.no_stop_at_eos:
         stops.append(tokenizer.eos_id)
@@ -294,11 +289,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
     p.add_argument("--text-field", default="text", help="the text field of JSONL records and parquet tables")
     p.set_defaults(func=cmd_tokenizer)
-
-    p = sub.add_parser("bench", help="benchmarks: 'griffin bench inference --help' (Section 5)")
-    p.add_argument("suite", choices=("inference",), help="which benchmark")
-    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
-    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="show the config of a preset or a checkpoint")
     p.add_argument("path", help="a preset name or a checkpoint path")

@@ -261,17 +261,6 @@ def _build_presets() -> dict[str, ModelConfig]:
 PRESETS: dict[str, ModelConfig] = _build_presets()
 
 
-def count_parameters(config: ModelConfig) -> int:
-    """Number of parameters of the model built from ``config`` (built on the meta device)."""
-    import torch
-
-    from griffin.model import CausalLM
-
-    with torch.device("meta"):
-        model = CausalLM(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 def nominal_size(n: int) -> str:
     """A human-readable parameter count: 1.3B, 250K."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -282,4 +271,4 @@ def nominal_size(n: int) -> str:
     return str(n)
 
 
-__all__ = ["ModelConfig", "PRESETS", "PAPER_SIZES", "count_parameters", "family_block_types", "nominal_size"]
+__all__ = ["ModelConfig", "PRESETS", "PAPER_SIZES", "family_block_types", "nominal_size"]

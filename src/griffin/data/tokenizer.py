@@ -1,7 +1,9 @@
 """Tokenizers: byte-level (no files), HF ``tokenizers`` JSON files and SentencePiece models.
 
-Every tokenizer has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``bos_id`` and
-``eos_id`` (None when it has none). The RecurrentGemma tokenizer is a SentencePiece model.
+Every tokenizer has ``encode(text) -> list[int]``, ``encode_batch(texts) -> list[np.ndarray]``,
+``decode(ids) -> str``, ``vocab_size``, ``bos_id`` and ``eos_id`` (None when it has none). Text is text: a control
+token's name written in it (``"<eos>"``) is encoded as the characters it is. The RecurrentGemma tokenizer is a
+SentencePiece model.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
+from griffin.data.sources import iter_documents, valid_utf8
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -18,6 +24,8 @@ class Tokenizer(Protocol):
     eos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -33,6 +41,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", "surrogateescape"))
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """The UTF-8 bytes of each text (surrogate escapes back to the bytes they stand for) as uint8 arrays."""
+        return [np.frombuffer(t.encode("utf-8", "surrogateescape"), np.uint8) for t in texts]
+
     def encode_bytes(self, data: bytes) -> list[int]:
         return list(data)
 
@@ -47,12 +59,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` file of the HF ``tokenizers`` library (BPE, WordPiece, ...)."""
+    """A ``tokenizer.json`` file of the HF ``tokenizers`` library (BPE, WordPiece, ...). Special tokens written in the
+    text (``"<eos>"``) are encoded as text, not as the control tokens."""
 
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         self.tok = _Tokenizer.from_file(str(path))
+        self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size()
         self.bos_id = self._special(("<bos>", "<s>", "<|bos|>", "[BOS]"))
         self.eos_id = self._special(("<eos>", "</s>", "<|endoftext|>", "<|eos|>", "[EOS]"))
@@ -66,6 +80,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text (undecodable bytes as U+FFFD) as int64 arrays, in one batched call."""
+        encode_batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [np.asarray(e.ids, np.int64)
+                for e in encode_batch([valid_utf8(t) for t in texts], add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -84,6 +104,10 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text (undecodable bytes as U+FFFD) as int64 arrays."""
+        return [np.asarray(self.sp.encode(valid_utf8(t)), np.int64) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp.decode(list(ids))
@@ -116,15 +140,13 @@ def train_bpe(files: Sequence[str | Path], out_path: str | Path, vocab_size: int
               text_field: str = "text") -> Path:
     """Train a byte-level BPE tokenizer (HF ``tokenizers``) on local files and save it as ``tokenizer.json``.
 
-    ``files`` are read with ``griffin.data.iter_documents`` (text, JSONL, parquet; directories walked). The
+    ``files`` are read with ``griffin.data.sources.iter_documents`` (text, JSONL, parquet; directories walked). The
     vocabulary holds ``<bos>`` (id 0), ``<eos>`` (id 1), the 256 bytes and the learnt merges, so any string
     round-trips (no normaliser, byte-level pre-tokenizer and decoder). ``out_path`` is the file to write, or a
     directory to write ``tokenizer.json`` into (a path without a ``.json`` suffix counts as a directory); the file
     is written atomically. Returns its path."""
     from tokenizers import Tokenizer as _Tokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from griffin.data import _valid_utf8, iter_documents
 
     if vocab_size < 256 + len(BPE_SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least "
@@ -137,7 +159,7 @@ def train_bpe(files: Sequence[str | Path], out_path: str | Path, vocab_size: int
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((_valid_utf8(t) for t in iter_documents(files, text_field=text_field)), trainer)
+    tok.train_from_iterator((valid_utf8(t) for t in iter_documents(files, text_field=text_field)), trainer)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
     try:

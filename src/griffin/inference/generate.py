@@ -2,26 +2,22 @@
 
 A batch of prompts is left-padded (padding tokens carry position -1 and are seen by nothing), processed in
 parallel in chunks so that a long prompt runs in bounded memory, then tokens are sampled one step at a time by a
-:class:`Decoder`: the cache is checked once, then each step runs :meth:`griffin.CausalLM.decode_step` (no input
-checks, no host syncs, caches updated in place; optionally ``torch.compile``d). The one host sync per step is
-the caller's: the sampled tokens are handed over as Python ints.
+:class:`Decoder`: each step is the model's own forward pass on one token per row, with the cache updated in place;
+the decoder checks the cache once, swaps in prepacked matmuls on CPU and can ``torch.compile`` the step (CUDA graphs
+on GPU). The one host sync per step is the caller's: the sampled tokens are handed over as Python ints.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.inference.cache import Cache, DecodeState
-from griffin.inference.prepack import LinearFn, PrepackedLinear, can_prepack
-
-if TYPE_CHECKING:
-    from griffin.model import CausalLM
+from griffin.cache import Cache
+from griffin.inference.prepack import can_prepack, prepacked
+from griffin.model import CausalLM
 
 Prompts = Tensor | Sequence[Sequence[int]] | Sequence[int]
 
@@ -120,9 +116,9 @@ def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_l
             ids[i, length - len(row) :] = torch.tensor(row)
             positions[i, length - len(row) :] = torch.arange(len(row))
     else:
-        if cache.max_length is not None and cache.step + length > cache.max_length:
+        if cache.max_length is not None and cache.length + length > cache.max_length:
             raise ValueError(f"the prompt ({length} tokens) does not fit the global-attention KV cache: "
-                             f"{cache.step} of {cache.max_length} tokens used")
+                             f"{cache.length} of {cache.max_length} tokens used")
         ids = torch.tensor(rows, dtype=torch.long)
         positions = cache.position.cpu()[:, None] + torch.arange(length)
     ids, positions = ids.to(device), positions.to(device)
@@ -130,84 +126,76 @@ def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_l
     for start in range(0, length, chunk_size):
         sl = slice(start, start + chunk_size)
         logits = model(ids[:, sl], positions[:, sl], cache=cache, logits_to_keep=1)[:, -1]
+    cache.started = True  # every prompt has a token, and padding comes first
     return logits, cache
 
 
 _COMPILED: dict[str | None, Callable] = {}
 
 
-def compiled_decode_step(device: torch.device) -> Callable:
-    """``torch.compile`` of :meth:`griffin.CausalLM.decode_step` (shared by every model; Dynamo recompiles for a
-    new model, batch or dtype): static shapes, whole graph; CUDA graphs ("reduce-overhead") on GPU."""
-    from griffin.model import CausalLM
-
+def compiled_forward(device: torch.device) -> Callable:
+    """``torch.compile`` of the forward pass, for decode steps: static shapes, whole graph, CUDA graphs
+    ("reduce-overhead") on GPU. One function for every model (Dynamo compiles again for a new structure or batch)."""
     mode = "reduce-overhead" if device.type == "cuda" else None
     if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(CausalLM.decode_step, mode=mode, fullgraph=True, dynamic=False)
+        _COMPILED[mode] = torch.compile(_decode_forward, mode=mode, fullgraph=True, dynamic=False)
     return _COMPILED[mode]
+
+
+def _decode_forward(model: nn.Module, tokens: Tensor, cache: Cache) -> Tensor:
+    return model(tokens[:, None], cache=cache)[:, -1]
 
 
 class Decoder:
     """One-token decode steps on ``cache`` (Section 5): ``decoder(tokens)`` with tokens (B,) returns the logits
-    (B, vocab) of the next ones and advances the cache in place.
+    (B, vocab) of the next ones and advances the cache in place. A step is the model's forward pass on one token per
+    row (``model(tokens[:, None], cache=cache)``), so it computes exactly what that call does.
 
-    Everything that needs the host is done once, here: the cache is checked against the model, every row must
-    continue a document (a prompt was prefilled), and the device-side :class:`griffin.inference.cache.DecodeState` is
-    derived. A step then checks only the host counter ``cache.step`` (against the global-attention KV cache's
-    size) and runs :meth:`griffin.CausalLM.decode_step`; token ids are not checked (they are sampled from the
-    model's own logits). If something else advances the cache in between (e.g. ``model(ids, cache=cache)``),
-    the state is derived again.
+    Everything that needs the host is done once, here: the cache must belong to the model, and every row must
+    continue a document (a prompt was prefilled). A step then checks the tokens' shape and the global-attention KV
+    cache's room; token ids are not checked (they are sampled from the model's own logits).
 
-    ``prepack`` (default: on CPU, eager or compiled): the weight matmuls use copies of the weights laid out for
-    oneDNN (:class:`griffin.inference.prepack.PrepackedLinear`), made here: faster, equal to the generic path up to
-    float32 rounding, blind to later changes of the weights, and as large as the weights while the decoder lives
-    (pass ``prepack=False`` where memory is tight). With ``prepack=False`` a step gives the logits
-    of ``model(tokens[:, None], cache=cache)`` bit for bit. ``compile=True`` runs the step through
-    ``torch.compile`` (CUDA graphs on GPU) with static shapes: attention then reads every preallocated slot,
-    masked.
+    ``prepack`` (default: on CPU): the weight matmuls run on a copy of the model whose linear layers hold weights laid
+    out for oneDNN (:func:`griffin.inference.prepack.prepacked`), made here: faster, equal to the plain path up to
+    float32 rounding, blind to later changes of the weights, and as large as the weights while the decoder lives (pass
+    ``prepack=False`` where memory is tight). ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on
+    GPU) with static shapes: attention then reads every preallocated slot, masked.
     """
 
     def __init__(self, model: CausalLM, cache: Cache, compile: bool = False, prepack: bool | None = None) -> None:
-        self.model, self.cache, self.compile = model, cache, compile
-        self.step_fn = compiled_decode_step(model.device) if compile else type(model).decode_step
+        model.check_cache(cache, cache.batch_size)
+        if not cache.started:
+            if bool((cache.position < 1).any()):  # one host sync per prompt
+                raise ValueError("decoding continues the documents in the cache: prefill at least one token per row "
+                                 "(e.g. a BOS token) first")
+            cache.started = True
         if prepack is None:
             prepack = can_prepack(model.output_weight)
-        self.linear: LinearFn = F.linear
-        if prepack:
-            weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.output_weight]
-            self.linear = PrepackedLinear(weights, cache.batch_size)
-        self._derive_state()
-
-    def _derive_state(self) -> None:
-        cache = self.cache
-        self.model.check_cache(cache, cache.batch_size)
-        if cache.step == 0 or bool((cache.position < 1).any()):  # one host sync per prompt
-            raise ValueError("decoding continues the documents in the cache: prefill at least one token per row "
-                             "(e.g. a BOS token) first")
-        self.state = DecodeState.from_cache(cache, self.model.dtype)
-        self.step, self.max_length = cache.step, cache.max_length
-        if self.compile and self.model.device.type == "cuda":  # CUDA graphs read and write these in place
-            for t in [*cache.tensors().values(), *vars(self.state).values()]:
-                if isinstance(t, Tensor):
+        self.model = prepacked(model, cache.batch_size) if prepack else model
+        self.cache, self.compile = cache, compile
+        if compile:
+            self.step = compiled_forward(model.device)
+            if model.device.type == "cuda":  # CUDA graphs read and write these in place
+                for t in cache.tensors().values():
                     torch._dynamo.mark_static_address(t)
+        else:
+            self.step = _decode_forward
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor) -> Tensor:
         cache = self.cache
-        if cache.step != self.step:
-            self._derive_state()
-        if self.max_length is not None and cache.step >= self.max_length:
-            raise ValueError(f"the global-attention KV cache holds {self.max_length} tokens, all used: size it with a "
-                             f"larger max_length")
         if tokens.shape != (cache.batch_size,) or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a ({cache.batch_size},) int64 tensor, got {tuple(tokens.shape)} "
                              f"{tokens.dtype}")
-        kv_len = None if self.compile else cache.step + 1
-        if self.compile and tokens.is_cuda:
+        if cache.max_length is not None and cache.length >= cache.max_length:
+            raise ValueError(f"the global-attention KV cache holds {cache.max_length} tokens, all used: size it with a "
+                             f"larger max_length")
+        if not self.compile:
+            return self.step(self.model, tokens, cache)
+        if tokens.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's logits may be overwritten
-        logits = self.step_fn(self.model, tokens, cache, self.state, kv_len, self.linear)
-        cache.step += 1
-        self.step = cache.step
+        logits = self.step(self.model, tokens, cache)
+        cache.length += 1  # the compiled forward leaves the host-side bound to its caller
         return logits
 
 
@@ -239,8 +227,8 @@ def generate_stream(
     if cache is None and max_length is None:
         max_length = max(len(r) for r in rows) + max_new_tokens
     if cache is not None and cache.max_length is not None and \
-            cache.step + len(rows[0]) + max_new_tokens > cache.max_length:
-        raise ValueError(f"the global-attention KV cache holds {cache.max_length} tokens: {cache.step} used, "
+            cache.length + len(rows[0]) + max_new_tokens > cache.max_length:
+        raise ValueError(f"the global-attention KV cache holds {cache.max_length} tokens: {cache.length} used, "
                          f"{len(rows[0])} in the prompt and {max_new_tokens} to generate do not fit")
     if max_new_tokens == 0:
         return

@@ -1,28 +1,29 @@
-"""The weight matmuls of a decode step on CPU, with weights laid out once for oneDNN (Section 5).
+"""The weight matmuls of a decode step on CPU, with weights laid out once for oneDNN (Section 5), applied from outside
+the model as a module swap.
 
 A decode step multiplies a few rows (the batch) by every weight matrix of the model, so on CPU most of its time is
-spent in small matmuls whose cost is dominated by re-reading and re-blocking the weights. :class:`PrepackedLinear`
-re-lays each matrix out once in oneDNN's blocked format (what ``torch.compile``'s weight freezing does), then
-runs ``x W^T + b`` from it: at the benchmark size (D = 256, batch 16, 2 cores) all the matmuls of a Griffin step
-take 2.8 ms instead of 5.4 ms with ``F.linear``. Results differ from ``F.linear`` by rounding only (float32: a
-few 1e-6; bfloat16: identical in our measurements). Under ``torch.compile`` the matmuls go through the opaque
-operator ``griffin::prepacked_linear``, so that a compiled decode step fuses the elementwise work and keeps these
-matmuls.
+spent in small matmuls whose cost is dominated by re-reading and re-blocking the weights. :class:`PackedLinear`
+re-lays a matrix out once in oneDNN's blocked format (what ``torch.compile``'s weight freezing does), then runs
+``x W^T + b`` from it (docs/performance.md, "Inference"). Results differ from ``F.linear`` by rounding only. Under
+``torch.compile`` the matmul is the opaque operator ``griffin::prepacked_linear``, so that a compiled decode step
+fuses the elementwise work and keeps these matmuls. :func:`prepacked` swaps every linear layer of a copy of the model
+for one (as gpt-fast swaps modules for quantisation); the model itself is not touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import copy
+import itertools
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-LinearFn = Callable[..., Tensor]  # (x, weight, bias=None) -> x weight^T + bias, like F.linear
+from griffin.model import TiedOutput
 
 
 def can_prepack(weight: Tensor) -> bool:
-    """Whether :class:`PrepackedLinear` can hold ``weight``: a float32/bfloat16 CPU matrix, PyTorch with oneDNN."""
+    """Whether :class:`PackedLinear` can hold ``weight``: a float32/bfloat16 CPU matrix, PyTorch with oneDNN."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -48,23 +49,33 @@ def _(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-class PrepackedLinear:
-    """``F.linear`` for the given weight matrices, re-laid out for oneDNN for ``batch_size`` rows; other weights
-    (or any weight, if oneDNN is unavailable) go through ``F.linear``. The copies are made here, once (as much
-    memory as the weights): later changes to the weights are not seen, so make one per generation (as
-    :class:`griffin.inference.generate.Decoder` does).
-    """
+class PackedLinear(nn.Module):
+    """``F.linear(x, weight, bias)`` from a copy of ``weight`` laid out for oneDNN for about ``batch_size`` rows, made
+    here (as much memory as the weight); ``weight`` and ``bias`` are the replaced layer's own (shared). Inputs of
+    another dtype than the weight go through ``F.linear``."""
 
-    def __init__(self, weights: Iterable[Tensor], batch_size: int) -> None:
-        self.packed: dict[int, tuple[Tensor, Tensor]] = {}
-        for w in weights:
-            if can_prepack(w) and id(w) not in self.packed:  # (original, packed): the original keeps the id valid
-                self.packed[id(w)] = (w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size))
+    def __init__(self, weight: Tensor, bias: Tensor | None, batch_size: int) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size)
+        self.register_buffer("packed", packed, persistent=False)
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        entry = self.packed.get(id(weight))
-        if entry is None or x.dtype != weight.dtype:
-            return F.linear(x, weight, bias)
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return torch.ops.griffin.prepacked_linear.default(x, entry[1], bias)
-        return prepacked_linear(x, entry[1], bias)
+            return torch.ops.griffin.prepacked_linear.default(x, self.packed, self.bias)
+        return prepacked_linear(x, self.packed, self.bias)
+
+
+def prepacked(model: nn.Module, batch_size: int) -> nn.Module:
+    """A copy of ``model`` that shares its parameters, in which every linear layer (and the tied output layer) whose
+    weight oneDNN can hold runs from a :class:`PackedLinear`. The packed weights are made now: later changes to the
+    model's weights are not seen (make a new copy after training it)."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    clone = copy.deepcopy(model, memo)
+    for module in list(clone.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (nn.Linear, TiedOutput)) and can_prepack(child.weight):
+                setattr(module, name, PackedLinear(child.weight, getattr(child, "bias", None), batch_size))
+    return clone

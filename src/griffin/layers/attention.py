@@ -1,44 +1,40 @@
-"""Global and local (sliding-window) multi-query attention with RoPE (Section 2.3)."""
+"""Global and local (sliding-window) multi-query attention with RoPE (Section 2.3), and the key/value cache each
+attention block owns for inference (Section 5, Appendix G.3)."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from griffin.config import ModelConfig
-from griffin.inference.cache import AttentionCache, DecodeState
-from griffin.inference.prepack import LinearFn
-from griffin.layers.rope import apply_rope, rope_angles, rotate
-from griffin.ops.local_attention import fused_sdpa, sliding_window_attention
+from griffin.layers.context import EMPTY, Context
+from griffin.layers.rope import apply_rope
+from griffin.ops.attention import fused_sdpa, masked_attention, sliding_window_attention
 
 
-class DecodeInputs(NamedTuple):
-    """What every attention block of one decode step shares, computed once per step by the model."""
+@dataclass
+class KVCache:
+    """The keys and values an attention block has seen, one row per sequence; updated in place by the block.
 
-    cos: Tensor  # (B, 1, rope_dim // 2) RoPE angles of the new tokens' positions, in the model's dtype
-    sin: Tensor
-    local_slot: Tensor  # (1,) long: the ring-buffer slot this step writes (step mod window)
-    global_slot: Tensor  # (1,) long: the global-attention slot this step writes (step)
-    kv_len: int | None  # attend to the first kv_len slots only (those in use; eager), None: every slot (static)
-
-
-def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int | None,
-                   q_seg: Tensor | None, k_seg: Tensor | None) -> Tensor:
-    """Boolean mask (..., Tq, Tk): causal, within ``window`` keys (query included), same document.
-
-    q_pos/k_pos are absolute indices in the packed sequence (not document positions).
+    A local block keeps a ring buffer of ``attention_window`` slots (the token of row step t sits in slot t mod window),
+    so its size is bounded by the window; a global block keeps ``max_length`` slots (step t in slot t), preallocated so
+    that a decode step has static shapes. Rows advance independently: each has its own count of tokens written.
     """
-    delta = q_pos[..., :, None] - k_pos[..., None, :]
-    mask = delta >= 0
-    if window is not None:
-        mask &= delta < window
-    if q_seg is not None and k_seg is not None:
-        mask = mask & (q_seg[..., :, None] == k_seg[..., None, :])
-    return mask
+
+    k: Tensor  # (B, S, H_kv, head_dim)
+    v: Tensor  # (B, S, H_kv, head_dim)
+    segment: Tensor  # (B, S) document id of each slot's token; EMPTY if never written, or padding
+    count: Tensor  # (B,) tokens written so far in each row (padding included)
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor, segments: Tensor) -> None:
+        """Store k, v (B, n, H_kv, d) and their document ids (B, n) at the given slots (B, n) of each row."""
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        self.k[rows, slots] = k.to(self.k.dtype)
+        self.v[rows, slots] = v.to(self.v.dtype)
+        self.segment[rows, slots] = segments
 
 
 class MultiQueryAttention(nn.Module):
@@ -69,113 +65,84 @@ class MultiQueryAttention(nn.Module):
         nn.init.normal_(self.proj_final.weight, std=math.sqrt(self.final_init_scale / (self.num_heads * self.head_dim)))
         nn.init.zeros_(self.proj_final.bias)
 
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries (B, T, H, d) and keys/values (B, T, H_kv, d), RoPE applied at the document positions."""
+    def init_cache(self, batch_size: int, max_length: int | None, dtype: torch.dtype,
+                   device: torch.device | str) -> KVCache:
+        """An empty cache: the window's slots for local attention, ``max_length`` slots for global attention."""
+        if self.local:
+            slots = self.config.attention_window
+        elif max_length is None or max_length < 1:
+            raise ValueError(f"a model with global attention needs max_length >= 1 to size its KV cache, "
+                             f"got {max_length}")
+        else:
+            slots = max_length
+        shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
+        return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                       torch.full((batch_size, slots), EMPTY, dtype=torch.long, device=device),
+                       torch.zeros(batch_size, dtype=torch.long, device=device))
+
+    def forward(self, x: Tensor, ctx: Context, cache: KVCache | None = None) -> Tensor:
+        """x: (B, T, D). Queries, keys and values rotated by RoPE at the tokens' document positions; each query attends
+        to the keys of its own document up to itself (within the window if local). With ``cache``, the tokens
+        continue the cached sequences and are written to the cache."""
         B, T, _ = x.shape
         q = self.proj_q(x).view(B, T, self.num_heads, self.head_dim)
         k = self.proj_k(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.proj_v(x).view(B, T, self.num_kv_heads, self.head_dim)
-        cos, sin = rope_angles(positions, self.config.rope_dim, self.config.rope_base)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(self, x: Tensor, positions: Tensor, segments: Tensor | None = None,
-                cache: AttentionCache | None = None, step: int = 0) -> Tensor:
-        """x: (B, T, D); positions: (B, T) position in document; segments: (B, T) ids of the documents a query
-        may see (EMPTY at padding), or None if every row is one document. With ``cache`` (the keys and values of
-        the ``step`` tokens before x), x is attended together with the cache, which is then updated in place."""
-        B, T, _ = x.shape
-        if cache is not None:
-            return self._forward_cached(x, positions, segments, cache, step)
-        q, k, v = self.project(x, positions)
-        window = self.window
-        if window is not None and window < T:
-            out = sliding_window_attention(q, k, v, window, self.head_dim**-0.5, segments, segments)
+        if ctx.rope is not None:
+            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        if cache is None:
+            out = self.attend(q, k, v, ctx.segments)
+        elif self.local:
+            out = self.attend_ring(q, k, v, ctx.segments, cache)
         else:
-            out = self._attend_full(*(t.transpose(1, 2) for t in (q, k, v)), segments).transpose(1, 2)
+            out = self.attend_cached(q, k, v, ctx.segments, cache, ctx.cache_len)
         return self.proj_final(out.reshape(B, T, self.num_heads * self.head_dim))
 
-    def _forward_cached(self, x: Tensor, positions: Tensor, segments: Tensor | None, cache: AttentionCache,
-                        step: int) -> Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.project(x, positions)
-        slots = cache.k.shape[1]
-        q_index = torch.arange(step, step + T, device=x.device)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor | None) -> Tensor:
+        """Causal attention within the sequence (training, or a prompt without a cache)."""
+        T = q.shape[1]
+        scale = self.head_dim**-0.5
+        window = self.window
+        if window is not None and window < T:
+            return sliding_window_attention(q, k, v, window, scale, segments, segments)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if segments is None:
-            segments = torch.zeros(B, T, dtype=torch.long, device=x.device)
-        if cache.local and T > 1:  # a chunk: the ring buffer's tokens (oldest first), then the chunk's own
-            held = min(step, slots)
-            order = (torch.arange(held, device=x.device) + step) % held if step > slots else slice(None, held)
-            keys, values = torch.cat([cache.k[:, order], k], 1), torch.cat([cache.v[:, order], v], 1)
-            k_seg = torch.cat([cache.segment[:, order], segments], 1)
-            out = sliding_window_attention(q, keys, values, self.window, self.head_dim**-0.5, segments, k_seg)
-            last = q_index[-slots:]  # then the chunk's newest keys replace the oldest
-            self._write(cache, last % slots, k[:, -slots:], v[:, -slots:], segments[:, -slots:], index=last)
-            return self.proj_final(out.reshape(B, T, self.num_heads * self.head_dim))
-        if cache.local:
-            self._write(cache, q_index % slots, k, v, segments, index=q_index)
-        else:
-            if step + T > slots:
-                raise ValueError(f"the global-attention KV cache holds {slots} tokens; "
-                                 f"cannot process tokens {step}..{step + T - 1}: size it with a larger max_length")
-            self._write(cache, q_index, k, v, segments)
-        used = min(step + T, slots)  # slots [0, used) hold tokens once x is written (slot = step mod slots)
-        keys, values = cache.k[:, :used], cache.v[:, :used]
-        mask = attention_mask(q_index, cache.index[:used], self.window, segments, cache.segment[:, :used])
-        mask &= cache.index[:used] >= 0
+            return fused_sdpa(q, k, v, None, scale, causal=True).transpose(1, 2)
+        idx = torch.arange(T, device=q.device)
+        mask = (idx[:, None] >= idx[None, :]) & (segments[:, :, None] == segments[:, None, :])  # (B, T, T)
+        return fused_sdpa(q, k, v, mask[:, None], scale).transpose(1, 2)
+
+    def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, cache: KVCache) -> Tensor:
+        """Local attention over the ring buffer, then the new tokens replace the oldest. One token per row: the ring
+        holds exactly its window once the token is written, in any order. A longer chunk: the ring in time order,
+        then the chunk, through the sliding-window kernel."""
+        B, T = q.shape[:2]
+        S = cache.k.shape[1]
+        steps = cache.count[:, None] + torch.arange(T, device=q.device)  # each row's step of each new token
         if T == 1:
-            bias = torch.zeros(B, used, dtype=q.dtype, device=x.device).masked_fill_(~mask[:, 0], -math.inf)
-            return self.proj_final(self._attend_one(q[:, 0], keys, values, bias))[:, None]
-        out = self._sdpa(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None])
-        return self.proj_final(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+            cache.write(steps % S, k, v, segments)
+            visible = cache.segment[:, None, :] == segments[:, :, None]  # (B, 1, S)
+            out = masked_attention(q, cache.k, cache.v, visible, self.head_dim**-0.5)
+        else:
+            order = (cache.count[:, None] + torch.arange(S, device=q.device)) % S  # oldest slot first
+            rows = torch.arange(B, device=q.device)[:, None]
+            keys, values = torch.cat([cache.k[rows, order], k], 1), torch.cat([cache.v[rows, order], v], 1)
+            k_seg = torch.cat([cache.segment[rows, order], segments], 1)
+            out = sliding_window_attention(q, keys, values, S, self.head_dim**-0.5, segments, k_seg)
+            last = slice(max(0, T - S), T)  # the chunk's newest tokens replace the oldest
+            cache.write(steps[:, last] % S, k[:, last], v[:, last], segments[:, last])
+        cache.count.add_(T)
+        return out
 
-    def decode_step(self, x: Tensor, cache: AttentionCache, state: DecodeState, inputs: DecodeInputs,
-                    linear: LinearFn = F.linear) -> Tensor:
-        """One token per row (Section 5): x (B, D) at the positions of ``inputs``' RoPE angles. Writes the key and
-        value at this step's slot (in place), then attends over the slots in use with ``state``'s mask; the
-        arithmetic of :meth:`forward` at T = 1, with ``linear`` for the projections."""
-        B = x.shape[0]
-        q = linear(x, self.proj_q.weight, self.proj_q.bias).view(B, self.num_heads, self.head_dim)
-        k = linear(x, self.proj_k.weight, self.proj_k.bias).view(B, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.proj_v.weight, self.proj_v.bias).view(B, 1, self.num_kv_heads, self.head_dim)
-        q, k = rotate(q, inputs.cos, inputs.sin), rotate(k, inputs.cos, inputs.sin)
-        slot = inputs.local_slot if cache.local else inputs.global_slot
-        cache.k.index_copy_(1, slot, k[:, None].to(cache.k.dtype))
-        cache.v.index_copy_(1, slot, v.to(cache.v.dtype))
-        cache.index.index_copy_(0, slot, state.step)
-        cache.segment.index_copy_(1, slot, state.segment[:, None])
-        bias = state.local_bias if cache.local else state.global_bias
-        n = cache.k.shape[1] if inputs.kv_len is None else min(inputs.kv_len, cache.k.shape[1])
-        out = self._attend_one(q, cache.k[:, :n], cache.v[:, :n], bias[:, :n])
-        return linear(out, self.proj_final.weight, self.proj_final.bias)
-
-    def _attend_one(self, q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-        """One query per row: q (B, H, d) over keys and values (B, S, H_kv, d) with an additive mask ``bias``
-        (B, S) (0 or -inf) -> (B, H * d). Two batched matmuls, the scale and the mask fused into the first: on
-        CPU far cheaper than a fused kernel's setup for a single query."""
-        B, H, d = q.shape
-        S, Hk = keys.shape[1], self.num_kv_heads
-        qg = q.reshape(B * Hk, H // Hk, d)  # the heads sharing a key/value head side by side
-        kt = keys.permute(0, 2, 3, 1).reshape(B * Hk, d, S)
-        vs = values.transpose(1, 2).reshape(B * Hk, S, d)
-        bias = bias[:, None, None, :].expand(B, Hk, 1, S).reshape(B * Hk, 1, S).to(q.dtype)
-        scores = torch.baddbmm(bias, qg, kt, alpha=self.head_dim**-0.5)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.bmm(probs, vs).view(B, H * d)
-
-    @staticmethod
-    def _write(cache: AttentionCache, slots: Tensor, k: Tensor, v: Tensor, segments: Tensor,
-               index: Tensor | None = None) -> None:
-        cache.k[:, slots] = k.to(cache.k.dtype)
-        cache.v[:, slots] = v.to(cache.v.dtype)
-        cache.index[slots] = slots if index is None else index
-        cache.segment[:, slots] = segments
-
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
-        return fused_sdpa(q, k, v, mask, self.head_dim**-0.5, causal)
-
-    def _attend_full(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor | None) -> Tensor:
-        if segments is None:
-            return self._sdpa(q, k, v, None, causal=True)
-        idx = torch.arange(q.shape[2], device=q.device)
-        mask = attention_mask(idx, idx, None, segments, segments)  # (B, T, T)
-        return self._sdpa(q, k, v, mask[:, None])
+    def attend_cached(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, cache: KVCache,
+                      cache_len: int | None) -> Tensor:
+        """Global attention: the new tokens are written at their steps' slots, then each query attends to the slots
+        of its document up to its own step (only the first ``cache_len`` slots, which hold every token, if given)."""
+        T = q.shape[1]
+        steps = cache.count[:, None] + torch.arange(T, device=q.device)  # (B, T), also the slots written
+        cache.write(steps, k, v, segments)
+        cache.count.add_(T)
+        n = cache.k.shape[1] if cache_len is None else min(cache_len, cache.k.shape[1])
+        slot = torch.arange(n, device=q.device)
+        visible = (slot <= steps[:, :, None]) & (cache.segment[:, None, :n] == segments[:, :, None])  # (B, T, n)
+        return masked_attention(q, cache.k[:, :n], cache.v[:, :n], visible, self.head_dim**-0.5)

@@ -38,7 +38,7 @@ class CausalConv1D(nn.Module):
         nn.init.zeros_(self.b)
 
     def forward(self, x: Tensor, reset: Tensor | None = None, state: Tensor | None = None) -> Tensor:
-        """x: (B, T, width). ``state``: optional (B, K-1, width) inputs that precede x (decoding)."""
+        """x: (B, T, width). ``state``: optional (B, K-1, width) inputs that precede x (a cache)."""
         K, T = self.temporal_width, x.shape[1]
         if state is not None:
             x = torch.cat([state.to(x.dtype), x], dim=1)
@@ -54,14 +54,13 @@ class CausalConv1D(nn.Module):
             out[:, start:] += term
         return out
 
-    def decode_step(self, x: Tensor, state: Tensor) -> Tensor:
-        """One time step (decoding): x (B, width) follows the K-1 inputs in ``state`` (B, K-1, width), which is
-        shifted in place to end with x. The same products and sums, in the same order, as :meth:`forward`."""
-        K = self.temporal_width
-        w = self.w.unbind(0)
-        out = x * w[K - 1] + self.b
-        for s in range(1, K):
-            out += state[:, K - 1 - s].to(x.dtype) * w[K - 1 - s]
-        if K > 1:
-            state.copy_(torch.cat([state[:, 1:], x[:, None].to(state.dtype)], dim=1))
-        return out
+
+def next_conv_state(state: Tensor, x: Tensor, reset: Tensor | None) -> Tensor:
+    """The last K-1 Conv1D inputs after ``x`` (B, T, width) follows ``state`` (B, K-1, width); inputs before a later
+    document start are zeroed, so that the next chunk's convolution sees nothing of the previous document."""
+    seq = torch.cat([state, x.to(state.dtype)], dim=1)
+    if reset is not None:
+        r = torch.cat([reset.new_zeros(reset.shape[0], state.shape[1]), reset], dim=1).int()
+        later = torch.flip(torch.cumsum(torch.flip(r, [1]), 1), [1]) - r  # starts strictly after each step
+        seq = seq * (later == 0)[..., None].to(seq.dtype)
+    return seq[:, -state.shape[1] :] if state.shape[1] else seq[:, :0]

@@ -7,8 +7,6 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.inference.prepack import LinearFn
-
 
 class GatedMLP(nn.Module):
     def __init__(self, width: int, mlp_width: int, gelu_approximation: str = "tanh",
@@ -32,9 +30,3 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate = F.gelu(self.gate_proj(x), approximate=self.gelu_approximation)
         return self.down_proj(gate * self.up_proj(x))
-
-    def decode_step(self, x: Tensor, linear: LinearFn = F.linear) -> Tensor:
-        """:meth:`forward` for x (B, D), one token per row, with the decode step's matmul ``linear``."""
-        gate = F.gelu(linear(x, self.gate_proj.weight, self.gate_proj.bias), approximate=self.gelu_approximation)
-        return linear(gate * linear(x, self.up_proj.weight, self.up_proj.bias), self.down_proj.weight,
-                      self.down_proj.bias)

@@ -1,18 +1,26 @@
-"""The recurrent block (Section 2.3, Figure 2c)."""
+"""The recurrent block (Section 2.3, Figure 2c), and the fixed-size state it owns for inference (Section 5)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from griffin.config import ModelConfig
-from griffin.inference.cache import RecurrentCache
-from griffin.inference.prepack import LinearFn
-from griffin.layers.conv1d import CausalConv1D
+from griffin.layers.context import Context
+from griffin.layers.conv1d import CausalConv1D, next_conv_state
 from griffin.layers.rg_lru import CGLRU, RGLRU
+
+
+@dataclass
+class RecurrentState:
+    """What a recurrent block carries from one token to the next, whatever the sequence length; updated in place."""
+
+    conv: Tensor  # (B, K-1, D_RNN) the Conv1D's last inputs, zeroed before a document start
+    h: Tensor  # (B, D_RNN) RG-LRU state in float32 or wider (complex and D_RNN/2 wide for the CG-LRU)
 
 
 class RecurrentBlock(nn.Module):
@@ -41,38 +49,26 @@ class RecurrentBlock(nn.Module):
         self.conv_1d.reset_parameters()
         self.rg_lru.reset_parameters()
 
-    def forward(self, x: Tensor, reset: Tensor | None = None, pad: Tensor | None = None,
-                cache: RecurrentCache | None = None) -> Tensor:
-        """x: (B, T, D); reset: (B, T) bool, True where a document starts; pad: (B, T) bool, True at padding
-        tokens, whose Conv1D inputs are zeroed; cache: the state before x, updated in place."""
+    def init_cache(self, batch_size: int, max_length: int | None, dtype: torch.dtype,
+                   device: torch.device | str) -> RecurrentState:
+        """An empty state (``max_length`` is irrelevant: the state has a fixed size)."""
+        c = self.config
+        state_dtype = torch.promote_types(dtype, torch.float32)  # the recurrence's accumulation dtype
+        state_dtype = state_dtype.to_complex() if c.complex_lru else state_dtype
+        return RecurrentState(torch.zeros(batch_size, c.conv1d_width - 1, c.rnn_width, dtype=dtype, device=device),
+                              torch.zeros(batch_size, c.lru_width, dtype=state_dtype, device=device))
+
+    def forward(self, x: Tensor, ctx: Context, cache: RecurrentState | None = None) -> Tensor:
+        """x: (B, T, D). Document starts (``ctx.reset``) reset the RG-LRU and, if configured, the Conv1D; padding's
+        Conv1D inputs are zeroed. With ``cache`` (the state before x), the state after x is written back to it."""
         y = F.gelu(self.linear_y(x), approximate=self.config.gelu_approximation)
         u = self.linear_x(x)
-        if pad is not None:
-            u = u.masked_fill(pad[..., None], 0.0)
-        conv_reset = reset if self.config.conv1d_document_reset else None
+        if ctx.pad is not None:
+            u = u.masked_fill(ctx.pad[..., None], 0.0)
+        conv_reset = ctx.reset if self.config.conv1d_document_reset else None
         conv = self.conv_1d(u, conv_reset, None if cache is None else cache.conv)
-        h, h_last = self.rg_lru(conv, reset, None if cache is None else cache.h)
+        h, h_last = self.rg_lru(conv, ctx.reset, None if cache is None else cache.h)
         if cache is not None:
             cache.conv.copy_(next_conv_state(cache.conv, u, conv_reset))
             cache.h.copy_(h_last)
         return self.linear_out(h * y)
-
-    def decode_step(self, x: Tensor, cache: RecurrentCache, linear: LinearFn = F.linear) -> Tensor:
-        """One token per row (Section 5): x (B, D) continues the documents in ``cache``, updated in place. The
-        arithmetic of :meth:`forward` at T = 1, without masks, resets or a reassigned state; ``linear`` does the
-        matmuls (:class:`griffin.inference.prepack.PrepackedLinear` on CPU)."""
-        y = F.gelu(linear(x, self.linear_y.weight, self.linear_y.bias), approximate=self.config.gelu_approximation)
-        u = linear(x, self.linear_x.weight, self.linear_x.bias)
-        h = self.rg_lru.decode_step(self.conv_1d.decode_step(u, cache.conv), cache.h)
-        return linear(h * y, self.linear_out.weight, self.linear_out.bias)
-
-
-def next_conv_state(state: Tensor, u: Tensor, reset: Tensor | None) -> Tensor:
-    """The last K-1 Conv1D inputs after ``u``; inputs before a later document start are zeroed, so the next
-    chunk's convolution sees nothing of the previous document."""
-    seq = torch.cat([state, u.to(state.dtype)], dim=1)
-    if reset is not None:
-        r = torch.cat([reset.new_zeros(reset.shape[0], state.shape[1]), reset], dim=1).int()
-        later = torch.flip(torch.cumsum(torch.flip(r, [1]), 1), [1]) - r  # starts strictly after each step
-        seq = seq * (later == 0)[..., None].to(seq.dtype)
-    return seq[:, -state.shape[1] :].contiguous() if state.shape[1] else seq[:, :0]

@@ -69,19 +69,6 @@ class RGLRU(nn.Module):
         """x: (B, T, width); reset: (B, T) document starts; h0: (B, width). Returns (y, h_last)."""
         return rg_lru(x, self.input_gate(x), self.a_gate(x), self.a_param, self.c, h0, reset)
 
-    def decode_step(self, x: Tensor, h: Tensor) -> Tensor:
-        """One time step (decoding, no document start): x (B, width), state h (B, width) float32, updated in
-        place. Returns y (B, width) like x. The operations of :func:`griffin.ops.rg_lru.rg_lru_gates` and the
-        scan, in the same order, so the result is that of :meth:`forward` bit for bit."""
-        gate_x, gate_a = self.input_gate(x), self.a_gate(x)
-        log_a = -self.c * torch.sigmoid(gate_a) * F.softplus(self.a_param)
-        a = torch.exp(log_a).to(x.dtype)
-        multiplier = torch.sqrt(1.0 - torch.exp(2.0 * log_a))
-        b = x * torch.sigmoid(gate_x) * multiplier.to(x.dtype)
-        h_new = a.to(h.dtype) * h + b.to(h.dtype)
-        h.copy_(h_new)
-        return h_new.to(x.dtype)
-
 
 class CGLRU(nn.Module):
     """The complex-gated LRU of Appendix B: x = [x1; x2] is read as x1 + i x2, a~ = sigmoid(-Lambda) e^(i theta),
@@ -125,9 +112,3 @@ class CGLRU(nn.Module):
         b = torch.complex(x_re * scale, x_im * scale)
         h, h_last = linear_scan(a, b, h0, reset)
         return torch.cat([h.real, h.imag], dim=-1).to(x.dtype), h_last
-
-    def decode_step(self, x: Tensor, h: Tensor) -> Tensor:
-        """One time step (decoding): x (B, width), complex state h (B, width/2) updated in place."""
-        y, h_last = self.forward(x[:, None], None, h)
-        h.copy_(h_last)
-        return y[:, 0]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from griffin.inference import generate
 from griffin.interop import CheckpointError
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
@@ -436,9 +437,9 @@ class Trainer:
         tokenizer = self.tokenizer
         ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(self.cfg.sample_prompt)
         self.model.eval()
-        out = self.model.generate(torch.tensor([ids], device=self.device), self.cfg.sample_tokens,
-                                  temperature=self.cfg.sample_temperature, seed=self.cfg.seed,
-                                  stop_tokens=[tokenizer.eos_id] if tokenizer.eos_id is not None else ())
+        out = generate(self.model, torch.tensor([ids], device=self.device), self.cfg.sample_tokens,
+                       temperature=self.cfg.sample_temperature, seed=self.cfg.seed,
+                       stop_tokens=[tokenizer.eos_id] if tokenizer.eos_id is not None else ())
         self.model.train()
         text = self.cfg.sample_prompt + tokenizer.decode(out[0])
         (self.out / "sample.txt").write_text(text.encode("utf-8", "replace").decode("utf-8"))

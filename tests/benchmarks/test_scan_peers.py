@@ -14,7 +14,7 @@ import torch
 
 from griffin.ops.rg_lru import rg_lru_ref
 
-_spec = importlib.util.spec_from_file_location("scan_peers", Path(__file__).parents[1] / "benchmarks" / "scan_peers.py")
+_spec = importlib.util.spec_from_file_location("scan_peers", Path(__file__).parents[2] / "benchmarks" / "scan_peers.py")
 scan_peers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scan_peers)
 

@@ -1,13 +1,31 @@
-"""``griffin bench inference`` end to end on a tiny model: its peers (HF transformers' RecurrentGemma and the
+"""``benchmarks/inference.py`` end to end on a tiny model: its peers (HF transformers' RecurrentGemma and the
 official recurrentgemma package) run the same weights, and the benchmark checks that they agree with griffin."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from griffin.bench import main
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module, loaded from its path with its folder on ``sys.path`` (so that
+    its sibling ``common`` imports); registered in ``sys.modules`` (its dataclasses look their module up there)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+main = load_benchmark("inference").main
 
 
 def test_inference_benchmark_compares_the_same_model_with_its_peers(tmp_path, capsys):

@@ -7,17 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import griffin.data as data
-from griffin.data import (
-    PackedLoader,
-    default_corpus_files,
-    eval_batches,
-    iter_documents,
-    load_dataset_tokenizer,
-    load_meta,
-    prepare,
-    unigram_loss,
-)
+import griffin.data.dataset as dataset_module
+from griffin.data.dataset import load_dataset_tokenizer, load_meta, prepare
+from griffin.data.loader import PackedLoader, eval_batches, unigram_loss
+from griffin.data.sources import iter_documents
 from griffin.data.tokenizer import train_bpe
 
 WORDS = "the griffin hawk gated linear recurrence local attention token window état 日本 🙂 λ".split()
@@ -67,61 +60,6 @@ def dataset(tmp_path_factory, corpus) -> Path:
     out = tmp_path_factory.mktemp("ds") / "bytes"
     prepare([corpus[0]], out, val_fraction=0.2, shard_tokens=500, progress=False)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# reading documents
-
-
-def test_iter_documents_walks_directories(tmp_path):
-    (tmp_path / "b.txt").write_text("bee")
-    (tmp_path / "a.md").write_text("ay")
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / ".hidden.txt").write_text("hidden")
-    (tmp_path / ".git").mkdir()
-    (tmp_path / ".git" / "x.txt").write_text("git")
-    (tmp_path / "image.png").write_bytes(b"\x89PNG")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "c.jsonl").write_text('{"text": "c1"}\n\n{"text": "c2", "id": 2}\n{"text": ""}\n')
-    (tmp_path / "sub" / "d.json").write_text('{"body": "d1"}\n')
-    (tmp_path / "raw.bin").write_bytes(b"caf\xc3\xa9 \xff")
-    assert list(iter_documents([tmp_path / "sub" / "c.jsonl"])) == ["c1", "c2"]
-    assert list(iter_documents([tmp_path / "sub" / "d.json"], text_field="body")) == ["d1"]
-    with pytest.raises(ValueError, match=r"d\.json:1: no field 'text'"):
-        list(iter_documents([tmp_path]))
-    (tmp_path / "sub" / "d.json").unlink()
-    assert list(iter_documents([tmp_path])) == ["ay", "bee", "c1", "c2"]  # sorted, hidden and .png skipped
-    # a file named explicitly is read whatever its suffix, undecodable bytes kept as surrogate escapes
-    (raw,) = iter_documents([tmp_path / "raw.bin"])
-    assert raw.encode("utf-8", "surrogateescape") == b"caf\xc3\xa9 \xff"
-
-
-def test_iter_documents_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere.txt"):
-        list(iter_documents([tmp_path / "nowhere.txt"]))
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a JSON object"):
-        list(iter_documents([tmp_path / "bad.jsonl"]))
-    (tmp_path / "bad.jsonl").write_text('{"text": 3}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1: field 'text' is int"):
-        list(iter_documents([tmp_path / "bad.jsonl"]))
-    (tmp_path / "bad.jsonl").unlink()
-    (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
-    with pytest.raises(ValueError, match="no documents.*empty.txt"):
-        list(iter_documents([tmp_path / "empty.txt", tmp_path / "empty.jsonl"]))
-    with pytest.raises(ValueError, match=f"no documents.*{tmp_path.name}"):
-        list(iter_documents([tmp_path]))
-
-
-def test_default_corpus_files():
-    files = default_corpus_files()
-    assert files == sorted(files) == default_corpus_files()
-    names = {f.name for f in files}
-    assert {"os.py", "argparse.py", "__init__.py"} <= names
-    assert all(f.suffix == ".py" for f in files)
-    excluded = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
-    assert not any(excluded & set(f.parts) for f in files)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -250,7 +188,7 @@ def test_prepare_errors(tmp_path):
 
 def test_prepare_is_atomic(corpus, tmp_path, monkeypatch):
     out = tmp_path / "ds"
-    batched = data._batched
+    batched = dataset_module._batched
 
     def failing(docs, **kw):
         for i, batch in enumerate(batched(docs, max_docs=8)):
@@ -258,17 +196,17 @@ def test_prepare_is_atomic(corpus, tmp_path, monkeypatch):
                 raise RuntimeError("disk full")
             yield batch
 
-    monkeypatch.setattr(data, "_batched", failing)
+    monkeypatch.setattr(dataset_module, "_batched", failing)
     with pytest.raises(RuntimeError, match="disk full"):
         prepare([corpus[0]], out, shard_tokens=100, progress=False)
     assert list(tmp_path.iterdir()) == []  # no partial dataset, no temporary directory
-    monkeypatch.setattr(data, "_batched", batched)
+    monkeypatch.setattr(dataset_module, "_batched", batched)
     first = prepare([corpus[0]], out, seed=1, progress=False)
-    monkeypatch.setattr(data, "_batched", failing)
+    monkeypatch.setattr(dataset_module, "_batched", failing)
     with pytest.raises(RuntimeError, match="disk full"):
         prepare([corpus[0]], out, seed=2, progress=False)
     assert load_meta(out) == first and [p.name for p in tmp_path.iterdir()] == ["ds"]  # the old dataset is intact
-    monkeypatch.setattr(data, "_batched", batched)
+    monkeypatch.setattr(dataset_module, "_batched", batched)
     assert prepare([corpus[0]], out, seed=2, progress=False)["seed"] == 2  # replaced when complete
     assert [p.name for p in tmp_path.iterdir()] == ["ds"]
     (tmp_path / "mine").mkdir()

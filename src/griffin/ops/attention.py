@@ -1,7 +1,11 @@
-"""Sliding-window (local) multi-query attention (Section 2.3): each query sees the ``window`` most recent keys,
-itself included, of its own document.
+"""Multi-query attention kernels (Section 2.3): masked attention over a key/value cache, and sliding-window (local)
+attention, where each query sees the ``window`` most recent keys, itself included, of its own document.
 
-:func:`sliding_window_attention` is the fast path: queries are cut into chunks of C tokens, and a chunk attends to
+:func:`masked_attention` attends queries to cached keys under a boolean mask: one query per row (a decode step) runs
+as two batched matmuls (:func:`attend_one`), which on CPU cost far less than a fused kernel's setup for a single query;
+longer inputs go through PyTorch's fused attention (:func:`fused_sdpa`), its reference.
+
+:func:`sliding_window_attention` is the fast local path: queries are cut into chunks of C tokens, and a chunk attends to
 the C + window - 1 keys that can reach it, as one batched call of PyTorch's fused attention
 (:func:`fused_sdpa`: FlashAttention's CPU kernel, the memory-efficient kernel on CUDA). Memory is
 O(T · (C + window)), never a T × T mask or score matrix; the work is (C + window - 1) / window of the useful work,
@@ -129,3 +133,34 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = out.view(n, B, H, C, d).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, d)
     return out[:, :T]
+
+
+def attend_one(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """One query per row: q (B, H, d) over keys and values (B, S, H_kv, d) with an additive mask ``bias`` (B, S)
+    (0 or -inf) -> (B, H, d). Two batched matmuls, the scale and the mask fused into the first."""
+    B, H, d = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    qg = q.reshape(B * Hk, H // Hk, d)  # the heads sharing a key/value head side by side
+    kt = k.permute(0, 2, 3, 1).reshape(B * Hk, d, S)
+    vs = v.transpose(1, 2).reshape(B * Hk, S, d)
+    bias = bias[:, None, None, :].expand(B, Hk, 1, S).reshape(B * Hk, 1, S).to(q.dtype)
+    scores = torch.baddbmm(bias, qg, kt, alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(probs, vs).view(B, H, d)
+
+
+def masked_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """The definition: q (B, T, H, d) over k, v (B, S, H_kv, d) where ``mask`` (B, T, S) is True, by fused SDPA."""
+    out = fused_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale)
+    return out.transpose(1, 2)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of q (B, T, H, d) over k, v (B, S, H_kv, d) where ``mask`` (B, T, S) is True: :func:`attend_one` for
+    one query per row, else :func:`masked_attention_ref`. Every query must see at least one key."""
+    if q.shape[1] == 1:
+        bias = torch.zeros(mask.shape[0], mask.shape[2], dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~mask[:, 0], float("-inf"))
+        return attend_one(q[:, 0], k, v, bias, scale)[:, None]
+    return masked_attention_ref(q, k, v, mask, scale)
+

@@ -1,8 +1,10 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from griffin.data.sources import valid_utf8
 from griffin.data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer, train_bpe
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "griffin mixes gated linear recurrences",
@@ -98,3 +100,33 @@ def test_train_bpe(tmp_path, gen):
     with pytest.raises(FileNotFoundError, match="nope"):
         train_bpe([tmp_path / "nope"], tmp_path / "y.json")
     assert not (tmp_path / "y.json").exists()
+
+
+def test_encode_batch_matches_encode(tmp_path, gen):
+    """Each tokenizer's batched encoding is its one-by-one ``encode`` (of the valid-UTF-8 text for the tokenizers
+    that need it), "<eos>" written in a document included: text, not the control token."""
+    import sentencepiece as spm
+
+    rng = random.Random(int(torch.randint(2**31, (), generator=gen)))
+    raw = b"caf\xc3\xa9 \xff\xfe end \xc3".decode("utf-8", "surrogateescape")  # undecodable bytes
+    texts = [random_text(rng, rng.randint(0, 60)) for _ in range(30)]
+    texts += ["", "a <eos> b", "<bos>x<eos>", raw, f"<eos>{raw}<eos>", "the lazy dog"]
+    rng.shuffle(texts)
+    (tmp_path / "corpus.txt").write_text("\n".join(CORPUS))
+    bpe = load_tokenizer(train_bpe([tmp_path / "corpus.txt"], tmp_path / "bpe", vocab_size=300))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=40, minloglevel=2)
+    byte, sp = load_tokenizer("bytes"), load_tokenizer(tmp_path / "sp.model")
+    for tok, dtype in ((byte, np.uint8), (bpe, np.int64), (sp, np.int64)):
+        batch = tok.encode_batch(texts)
+        assert len(batch) == len(texts)
+        for text, ids in zip(texts, batch, strict=True):
+            assert isinstance(ids, np.ndarray) and ids.dtype == dtype and ids.ndim == 1
+            assert ids.tolist() == tok.encode(text if tok is byte else valid_utf8(text)), ascii(text)
+    assert tok.encode_batch([]) == []
+    # undecodable bytes: the byte tokenizer keeps them, the others see U+FFFD
+    assert bytes(byte.encode_batch([raw])[0]) == b"caf\xc3\xa9 \xff\xfe end \xc3"
+    assert bpe.decode(bpe.encode_batch([raw])[0].tolist()) == valid_utf8(raw) != raw
+    # "<eos>" in a document is text
+    (ids,) = bpe.encode_batch(["a <eos> b"])
+    assert bpe.eos_id not in ids.tolist() and bpe.decode(ids.tolist()) == "a <eos> b"

@@ -1,0 +1,116 @@
+"""Helpers shared by the scripts in ``benchmarks/``: machine description, timing, Markdown tables, JSON results,
+progress bars. Nothing here is specific to one benchmark.
+
+The scripts import it as a sibling module (``from common import ...``): each puts its own folder first on
+``sys.path``, so that both ``python benchmarks/X.py`` and loading the file by path (the tests) find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+
+# Machine -----------------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    """The CPU model name (as ``lscpu`` prints it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """CPU, cores, torch threads and version, device (and GPU name), load average: what a result was measured on."""
+    info: dict[str, Any] = dict(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+                                torch=torch.__version__, device=str(device), load_average=os.getloadavg())
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Bytes/s of one large ``dst.copy_(src)``, counting the read and the write (2 x nbytes), median of repeats."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):  # the first copy (page faults) is a warm-up
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times[1:])
+
+
+# Timing ------------------------------------------------------------------------------------------------------
+class Timed(Protocol):
+    """A timed run: anything with its total seconds."""
+
+    total_s: float
+
+
+T = TypeVar("T", bound=Timed)
+
+
+def median_time(step: Callable[[], None], repeats: int) -> float:
+    """Median seconds of ``step()`` over ``repeats`` calls after one warm-up call (compilation, allocator)."""
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def median_run(fn: Callable[[], T], repeats: int) -> T:
+    """The run of median total time (``total_s``) among ``repeats`` runs."""
+    runs = sorted((fn() for _ in range(repeats)), key=lambda r: r.total_s)
+    return runs[(len(runs) - 1) // 2]
+
+
+# Reporting ---------------------------------------------------------------------------------------------------
+def progress(total: int, desc: str):
+    """A tqdm progress bar of ``total`` runs, cleared when done."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", leave=False, dynamic_ncols=True)
+
+
+def table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A Markdown table: columns are (header, key, format spec)."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---:|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(format(r[k], f) for _, k, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def label(family: str) -> str:
+    """A model family as the paper writes it: MQA, Hawk, Griffin."""
+    return "MQA" if family == "mqa" else family.title()
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    """Write a benchmark's results as JSON, creating the folder, and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {out}")
