@@ -39,8 +39,8 @@ for step in "$@"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
         tests)
-            "$PY" -m pytest -q -m "slow or not slow" tests/test_rg_lru_triton.py tests/test_local_attention.py \
-                tests/benchmarks/test_scan_peers.py tests/test_compile.py tests/test_inference.py 2>&1 | tail -n 30 ;;
+            "$PY" -m pytest -q -m "slow or not slow" tests/ops tests/layers \
+                tests/benchmarks/test_scan_peers.py tests/test_compile.py tests/test_model.py tests/inference 2>&1 | tail -n 30 ;;
         scan)
             "$PY" benchmarks/scan_gpu.py --compile-budget-s 120 --out "$RESULTS/scan_gpu.json" ;;
         fig9b)

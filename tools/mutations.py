@@ -48,32 +48,32 @@ MUTATIONS = [
         "src/griffin/layers/recurrent_block.py",
         "u = u.masked_fill(pad[..., None], 0.0)",
         "u = u",
-        ("tests/test_inference.py::test_mixed_prompt_lengths_in_one_batch",),
+        ("tests/inference/test_generate.py::test_mixed_prompt_lengths_in_one_batch",),
     ),
     Mutation(
         "conv-carry",
         "a document starting in the last K-1 tokens of a cached chunk still sees the previous document's Conv1D "
         "inputs in the next chunk",
-        "src/griffin/layers/recurrent_block.py",
+        "src/griffin/layers/conv1d.py",
         "    if reset is not None:\n        r = torch.cat(",
         "    if False:\n        r = torch.cat(",
-        ("tests/test_inference.py::test_document_starts_near_a_chunk_boundary",),
+        ("tests/inference/test_generate.py::test_document_starts_near_a_chunk_boundary",),
     ),
     Mutation(
         "sqrt-clip",
         "the gradient of sqrt(1 - a_t^2) is unbounded: NaN gradients once a_t rounds to 1",
-        "src/griffin/ops/rg_lru.py",
+        "src/griffin/ops/rg_lru/reference.py",
         "torch.sqrt(torch.clip(4.0 * x, min=1.0 / MAX_SQRT_GRADIENT**2))",
         "torch.sqrt(4.0 * x)",
-        ("tests/test_rg_lru.py::test_gradients_at_extreme_decays_match_the_bounded_formula",),
+        ("tests/ops/test_rg_lru.py::test_gradients_at_extreme_decays_match_the_bounded_formula",),
     ),
     Mutation(
         "sqrt-clip-cpu",
         "the fused CPU kernel's gradient of sqrt(1 - a_t^2) is unbounded: NaN gradients once a_t rounds to 1",
-        "src/griffin/ops/rg_lru_cpu.py",
+        "src/griffin/ops/rg_lru/cpu.py",
         "d_u = dh * xt[j] * i / max(2.0 * mult, _MIN_2U)",
         "d_u = dh * xt[j] * i / (2.0 * mult)",
-        ("tests/test_rg_lru.py::test_gradients_at_extreme_decays_match_the_bounded_formula",),
+        ("tests/ops/test_rg_lru.py::test_gradients_at_extreme_decays_match_the_bounded_formula",),
     ),
     Mutation(
         "resume-best",
@@ -82,7 +82,7 @@ MUTATIONS = [
         "src/griffin/training/trainer.py",
         '            self.best_val, self.best_step = state["best_val_loss"], state["best_step"]\n',
         "",
-        ("tests/test_train.py::test_resume_restores_the_whole_trainer_state",),
+        ("tests/training/test_train.py::test_resume_restores_the_whole_trainer_state",),
     ),
     Mutation(
         "resume-tokens",
@@ -90,14 +90,14 @@ MUTATIONS = [
         "src/griffin/training/trainer.py",
         'self.step, self.tokens = state["step"], state["tokens"]',
         'self.step, self.tokens = state["step"], 0',
-        ("tests/test_train.py::test_resume_restores_the_whole_trainer_state",),
+        ("tests/training/test_train.py::test_resume_restores_the_whole_trainer_state",),
     ),
     Mutation(
         "untied-head",
         "an untied model's output layer uses the embedding matrix",
         "src/griffin/model.py",
-        "return self.embed.weight if self.lm_head is None else self.lm_head.weight",
-        "return self.embed.weight",
+        "logits = self.lm_head(self.final_norm(h))",
+        "logits = F.linear(self.final_norm(h), self.embed.weight)",
         ("tests/test_model.py::test_output_layer_soft_capped",),
     ),
     Mutation(
@@ -119,10 +119,10 @@ MUTATIONS = [
     Mutation(
         "local-dense",
         "local attention builds one dense T x T mask (memory quadratic in the sequence length)",
-        "src/griffin/ops/local_attention.py",
+        "src/griffin/ops/attention.py",
         "if T <= C:  # one chunk",
         "if True:  # one chunk",
-        ("tests/test_local_attention.py::test_never_a_full_mask",),
+        ("tests/ops/test_attention.py::test_never_a_full_mask",),
     ),
     Mutation(
         "a-init-uniform",
@@ -130,7 +130,7 @@ MUTATIONS = [
         "src/griffin/layers/rg_lru.py",
         "a_param.uniform_(min_rad**2 + eps, max_rad**2 + eps)\n        a_param.log_().mul_(0.5)",
         "a_param.uniform_(min_rad + eps, max_rad + eps)\n        a_param.log_()",
-        ("tests/test_layers.py::test_a_init_range",),
+        ("tests/layers/test_layers.py::test_a_init_range",),
     ),
 ]
 

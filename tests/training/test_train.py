@@ -88,9 +88,9 @@ def test_config_precedence_and_model_overrides(tmp_path):
     assert (model.family, model.depth, model.width, model.vocab_size) == ("hawk", 3, 64, 300)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.toml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[2] / "configs").glob("*.toml")))
 def test_shipped_configs_load(name):
-    cfg = TrainConfig.from_toml(Path(__file__).parents[1] / "configs" / name)
+    cfg = TrainConfig.from_toml(Path(__file__).parents[2] / "configs" / name)
     cfg.model_config(vocab_size=256)
 
 
