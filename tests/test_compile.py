@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from griffin import CausalLM, ModelConfig
-from tests.conftest import DEVICES, perturb_
+from tests.conftest import DEVICES, perturb_, seed_torch
 
 
 def _loss_and_grads(model, ids, positions):
@@ -18,8 +18,8 @@ def _loss_and_grads(model, ids, positions):
 
 
 def check_compiled_matches_eager(family: str, gen: torch.Generator, device: str = "cpu") -> None:
-    """Graph breaks are allowed (the numba kernels run eagerly; the Triton kernel is an op inductor calls);
-    results must not change."""
+    """Inductor-compiled model (the CPU and Triton kernels are operators it calls as they are): results must not
+    change."""
     torch._dynamo.reset()
     model = CausalLM(ModelConfig.from_preset(f"{family}-tiny"))
     perturb_(model, gen)
@@ -44,3 +44,34 @@ def test_compiled_chunked_local_attention_matches_eager(gen, monkeypatch):
     monkeypatch.setattr("griffin.ops.attention.MIN_CHUNK", 4)
     monkeypatch.setattr("griffin.ops.attention.MAX_CHUNK", 4)
     check_compiled_matches_eager("griffin", gen)
+
+
+@pytest.mark.parametrize("family", ["mqa", "hawk", "griffin"])
+@pytest.mark.parametrize("loss_chunk", [0, 7])
+def test_training_forward_and_loss_trace_as_one_graph(family, loss_chunk, gen):
+    """fullgraph=True: the training forward and loss of packed documents have no graph break and no host sync
+    (validation happens at the boundaries); traced through AOTAutograd (forward and backward), the loss and every
+    gradient equal eager's."""
+    torch._dynamo.reset()
+    seed_torch(gen)
+    model = CausalLM(ModelConfig.from_preset(f"{family}-tiny"))
+    perturb_(model, gen)
+    ids = torch.randint(0, 32, (2, 23), generator=gen)
+    targets = torch.randint(0, 32, (2, 23), generator=gen)
+    targets[0, :3] = -100
+    positions = torch.cat([torch.arange(9), torch.arange(14)]).expand(2, -1)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(ids, positions, targets)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    compiled = torch.compile(lambda i, p, t: model(i, p, targets=t, loss_chunk=loss_chunk), fullgraph=True,
+                             backend="aot_eager")
+    loss, grads = step(compiled)
+    ref_loss, ref_grads = step(lambda i, p, t: model(i, p, targets=t, loss_chunk=loss_chunk))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+

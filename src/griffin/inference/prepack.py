@@ -30,7 +30,7 @@ def can_prepack(weight: Tensor) -> bool:
 
 # An opaque operator for ``torch.compile`` (inductor cannot lower oneDNN's packed matmul with a weight that is an
 # input, so it calls this as it is). Defined with ``torch.library.Library`` rather than ``custom_op``, whose
-# per-call output checks, on the 39 matmuls of a step, made the compiled decode step 13-23% slower
+# per-call output checks, on the dozens of matmuls of a step, made the compiled decode step slower
 # (docs/performance.md, "Inference").
 _LIB = torch.library.Library("griffin", "FRAGMENT")
 _LIB.define("prepacked_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")

@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Work per query is (C + window - 1) keys for window useful ones. Measured on a 2-core CPU (FlashAttention CPU
-# kernel, fp32, T = 4096, forward+backward; benchmarks/local_attention.py --chunks-only): C = window / 4 within
-# [64, 256] is within 10% of the best chunk at windows 256, 1024 and 2048, C = window is 1.4x slower at windows 256
-# and 1024, and chunks of 32 queries lose 1.4-1.7x to per-chunk overhead.
+# Work per query is (C + window - 1) keys for window useful ones: C a quarter of the window, within [64, 256], was
+# within the noise of the best chunk at every window measured, and smaller chunks lose to per-chunk overhead
+# (benchmarks/local_attention.py --chunks-only; docs/performance.md, "Local attention").
 MIN_CHUNK, MAX_CHUNK = 64, 256
 
 

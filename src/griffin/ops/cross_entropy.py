@@ -81,13 +81,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None
 
 
-@torch.compiler.disable  # a Python loop over chunks; under torch.compile it runs as it is
 def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, cap: float | None = None,
                           chunk: int = 4096) -> Tensor:
     """:func:`cross_entropy_ref`, computed ``chunk`` rows of h at a time (forward and backward), never holding more
     than (chunk, vocab) logits. Under autocast the matmuls run in autocast's dtype, the rest in float32 (or wider).
 
-    h (..., D), weight (vocab, D), targets (...) with ids in [0, vocab) or IGNORE_INDEX.
+    h (..., D), weight (vocab, D), targets (...) with ids in [0, vocab) or IGNORE_INDEX (checked where that costs no
+    device synchronisation: CPU tensors outside compilation).
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} must be a positive int (rows of logits at a time)")
@@ -95,10 +95,11 @@ def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, cap: float
         raise ValueError(f"targets must have shape {tuple(h.shape[:-1])} (h without its last axis), got "
                          f"{tuple(targets.shape)}")
     vocab = weight.shape[0]
-    bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab)
-    if bool(bad.any()):  # one host sync: gather would fail deep inside (or assert on the device)
-        raise ValueError(f"target id {int(targets[bad][0])} is outside the vocabulary [0, {vocab}) and is not "
-                         f"IGNORE_INDEX={IGNORE_INDEX}")
+    if not torch.compiler.is_compiling() and targets.device.type == "cpu":
+        bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab)
+        if bool(bad.any()):  # gather would fail deep inside
+            raise ValueError(f"target id {int(targets[bad][0])} is outside the vocabulary [0, {vocab}) and is not "
+                             f"IGNORE_INDEX={IGNORE_INDEX}")
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(
         h.dtype, weight.dtype)

@@ -7,7 +7,7 @@ gradients once, reducing the gradient of the decay parameter per (batch, channel
 
 Each time step is one loop over a block of channels that LLVM vectorises (AVX2/AVX-512); only the recurrence is
 sequential, in time. That needs an exp it can vectorise: numba calls libm's scalar exp for ``math.exp``, which
-made the kernel compute-bound at about 15 ns per element, so the kernels use :func:`exp_vectorizable`.
+made the kernel compute-bound, so the kernels use :func:`exp_vectorizable` (docs/performance.md, "Fused CPU RG-LRU").
 
 Numerics follow :func:`griffin.ops.rg_lru.rg_lru_ref` in float64 arithmetic (the state is kept in the inputs'
 dtype, float32 for 16/32-bit inputs), including the clipped derivative of the square root.
@@ -20,6 +20,7 @@ import math
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
@@ -147,45 +148,84 @@ def _prep(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.detach().to(dtype).contiguous()
 
 
-class _RGLRUCPU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: float,
-                h0: Tensor | None, reset: Tensor | None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        acc = accumulation_dtype(x.dtype)
-        batch, steps, dim = x.shape
-        xs, gxs, gas = (_prep(t, acc) for t in (x, gate_x, gate_a))
-        log_a_max = (-c * torch.nn.functional.softplus(a_param.detach().to(acc))).contiguous()
-        h0_ = x.new_zeros(batch, dim, dtype=acc) if h0 is None else _prep(h0, acc)
-        reset_ = torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.detach().contiguous()
-        h = empty_like_hugepages(xs)
-        h_last = torch.empty_like(h0_)
-        chunk = channel_chunk(batch, dim)
-        _forward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), log_a_max.numpy(), h0_.numpy(), reset_.numpy(),
-                        chunk, h.numpy(), h_last.numpy())
-        ctx.save_for_backward(xs, gxs, gas, log_a_max, h0_, reset_, h, a_param)
-        ctx.c, ctx.chunk, ctx.dtype, ctx.h0_dtype = float(c), chunk, x.dtype, None if h0 is None else h0.dtype
-        return h.to(x.dtype), h_last
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor, grad_h_last: Tensor):  # type: ignore[override]
-        xs, gxs, gas, log_a_max, h0, reset, h, a_param = ctx.saved_tensors
-        acc = xs.dtype
-        g = _prep(grad_y, acc) if grad_y is not None else torch.zeros_like(xs)
-        g_last = _prep(grad_h_last, acc) if grad_h_last is not None else torch.zeros_like(h0)
-        dx, dgx, dga = empty_like_hugepages(xs), empty_like_hugepages(xs), empty_like_hugepages(xs)
-        dlog_a_max = torch.empty_like(h0)
-        dh0 = torch.empty_like(h0)
-        _backward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), log_a_max.numpy(), h0.numpy(), reset.numpy(),
-                         h.numpy(), g.numpy(), g_last.numpy(), ctx.chunk, dx.numpy(), dgx.numpy(), dga.numpy(),
-                         dlog_a_max.numpy(), dh0.numpy())
-        # log_a_max = -c softplus(Lambda): d/dLambda = -c sigmoid(Lambda)
-        d_lam = dlog_a_max.sum(0) * (-ctx.c * torch.sigmoid(a_param.detach().to(acc)))
-        return (dx.to(ctx.dtype), dgx.to(ctx.dtype), dga.to(ctx.dtype), d_lam.to(a_param.dtype), None,
-                None if ctx.h0_dtype is None else dh0.to(ctx.h0_dtype), None)
+# Two custom operators, opaque to torch.compile (numba cannot be traced): the model compiles with fullgraph=True and
+# the kernels run as they are. The forward returns the float32 states as a third output for 16-bit inputs (the
+# backward recomputes from them rather than from the rounded y); for float32/float64 inputs y is those states.
+@torch.library.custom_op("griffin::rg_lru_cpu_fwd", mutates_args=(), device_types="cpu")
+def rg_lru_cpu_fwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor, h0: Tensor | None,
+                   reset: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """y, h_last and (16-bit inputs only, else empty) the accumulation-dtype states, for log a_t = log_a_max r_t."""
+    acc = accumulation_dtype(x.dtype)
+    batch, steps, dim = x.shape
+    xs, gxs, gas, lmax = (_prep(t, acc) for t in (x, gate_x, gate_a, log_a_max))
+    h0_ = torch.zeros(batch, dim, dtype=acc) if h0 is None else _prep(h0, acc)
+    reset_ = torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.contiguous()
+    h = empty_like_hugepages(xs)
+    h_last = torch.empty_like(h0_)
+    _forward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), lmax.numpy(), h0_.numpy(), reset_.numpy(),
+                    channel_chunk(batch, dim), h.numpy(), h_last.numpy())
+    if acc == x.dtype:
+        return h, h_last, h.new_empty(0)
+    return h.to(x.dtype), h_last, h
 
 
-@torch.compiler.disable  # numba dispatchers cannot be traced by dynamo: run eagerly inside compiled models
+@rg_lru_cpu_fwd.register_fake
+def _(x, gate_x, gate_a, log_a_max, h0, reset):  # type: ignore[no-untyped-def]
+    acc = accumulation_dtype(x.dtype)
+    states = x.new_empty(x.shape, dtype=acc) if acc != x.dtype else x.new_empty(0, dtype=acc)
+    return torch.empty_like(x), x.new_empty(x.shape[0], x.shape[2], dtype=acc), states
+
+
+@torch.library.custom_op("griffin::rg_lru_cpu_bwd", mutates_args=(), device_types="cpu")
+def rg_lru_cpu_bwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor, h0: Tensor | None,
+                   reset: Tensor | None, h: Tensor, grad_y: Tensor, grad_h_last: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for x, gate_x, gate_a, log_a_max (summed over the batch) and h0, from the forward's states h."""
+    acc = accumulation_dtype(x.dtype)
+    batch, steps, dim = x.shape
+    xs, gxs, gas, lmax, hs = (_prep(t, acc) for t in (x, gate_x, gate_a, log_a_max, h))
+    h0_ = torch.zeros(batch, dim, dtype=acc) if h0 is None else _prep(h0, acc)
+    reset_ = torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.contiguous()
+    g, g_last = _prep(grad_y, acc), _prep(grad_h_last, acc)
+    dx, dgx, dga = empty_like_hugepages(xs), empty_like_hugepages(xs), empty_like_hugepages(xs)
+    dlog_a_max, dh0 = torch.empty_like(h0_), torch.empty_like(h0_)
+    _backward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), lmax.numpy(), h0_.numpy(), reset_.numpy(), hs.numpy(),
+                     g.numpy(), g_last.numpy(), channel_chunk(batch, dim), dx.numpy(), dgx.numpy(), dga.numpy(),
+                     dlog_a_max.numpy(), dh0.numpy())
+    return dx.to(x.dtype), dgx.to(x.dtype), dga.to(x.dtype), dlog_a_max.sum(0), dh0
+
+
+@rg_lru_cpu_bwd.register_fake
+def _(x, gate_x, gate_a, log_a_max, h0, reset, h, grad_y, grad_h_last):  # type: ignore[no-untyped-def]
+    acc = accumulation_dtype(x.dtype)
+    state = x.new_empty(x.shape[0], x.shape[2], dtype=acc)
+    return (torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[2], dtype=acc),
+            state)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, gate_x, gate_a, log_a_max, h0, reset = inputs
+    y, _, states = output
+    ctx.mark_non_differentiable(states)
+    ctx.save_for_backward(x, gate_x, gate_a, log_a_max, h0, reset, states if states.numel() else y)
+
+
+def _backward(ctx, grad_y: Tensor | None, grad_h_last: Tensor | None, _grad_states: Tensor | None):  # type: ignore[no-untyped-def]
+    x, gate_x, gate_a, log_a_max, h0, reset, h = ctx.saved_tensors
+    acc = accumulation_dtype(x.dtype)
+    grad_y = torch.zeros_like(x) if grad_y is None else grad_y
+    grad_h_last = x.new_zeros(x.shape[0], x.shape[2], dtype=acc) if grad_h_last is None else grad_h_last
+    dx, dgx, dga, dlog, dh0 = rg_lru_cpu_bwd(x, gate_x, gate_a, log_a_max, h0, reset, h, grad_y, grad_h_last)
+    return dx, dgx, dga, dlog.to(log_a_max.dtype), None if h0 is None else dh0.to(h0.dtype), None
+
+
+rg_lru_cpu_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
 def rg_lru_cpu(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: float = 8.0,
                h0: Tensor | None = None, reset: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The fused RG-LRU on CPU tensors; same contract as :func:`griffin.ops.rg_lru.rg_lru_ref`."""
-    return _RGLRUCPU.apply(x, gate_x, gate_a, a_param, c, h0, reset)
+    """The fused RG-LRU on CPU tensors; same contract as :func:`griffin.ops.rg_lru.rg_lru_ref`. The decay's log
+    maximum -c softplus(Lambda) is computed here, so that autograd carries its gradient on to Lambda."""
+    log_a_max = -c * F.softplus(a_param.to(accumulation_dtype(x.dtype)))
+    y, h_last, _ = rg_lru_cpu_fwd(x, gate_x, gate_a, log_a_max, h0, reset)
+    return y, h_last
