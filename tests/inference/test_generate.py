@@ -107,6 +107,36 @@ def test_document_starts_near_a_chunk_boundary(gen, family, variant):
         assert err <= 1e-4, f"document start at {start}, chunk boundary at {cut}: {err}"
 
 
+@pytest.mark.parametrize("family, compile", [(f, False) for f in FAMILIES] + [("mqa", True), ("griffin", True)])
+@torch.no_grad()
+def test_rows_at_different_positions_in_one_batch(gen, family, compile):
+    """Prompts prefilled alone, then inserted into one running batch: the rows sit at different positions (their
+    own RoPE angles, ring-buffer slots and global KV slots), a new prompt replaces a row mid-way, and every row
+    decodes what it would alone (eager, and the compiled step)."""
+    model = tiny(family, gen)
+    lengths = [3, 11, 7]
+    prompts = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in lengths]
+    batch = model.init_cache(3, 40)
+    for row, prompt in enumerate(prompts):
+        _, alone = prefill(model, [prompt], max_length=40)
+        batch.insert([row], alone)
+    assert batch.position.tolist() == lengths
+    decoder = Decoder(model, batch, prepack=False, compile=compile)
+    seqs = [list(p) for p in prompts]
+    for step in range(8):
+        if step == 4:  # a new sequence takes row 0 over; the others go on
+            seqs[0] = torch.randint(0, 32, (5,), generator=gen).tolist()
+            _, alone = prefill(model, [seqs[0]], max_length=40)
+            batch.insert([0], alone)
+        tokens = torch.randint(0, 32, (3,), generator=gen)
+        logits = decoder(tokens)
+        for row in range(3):
+            seqs[row].append(int(tokens[row]))
+            expected = model(torch.tensor([seqs[row]]))[0, -1]
+            assert (logits[row] - expected).abs().max() <= 1e-4, (step, row)
+    assert batch.position.tolist() == [len(s) for s in seqs]
+
+
 @torch.no_grad()
 def test_generate_greedy_matches_argmax_of_full_forward(gen):
     model = tiny("griffin", gen)
