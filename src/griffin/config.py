@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from griffin.io import write_json
 
 FAMILIES = ("mqa", "hawk", "griffin")
 BLOCK_TYPES = ("recurrent", "attention", "local_attention")
@@ -109,6 +113,7 @@ class ModelConfig:
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        self.check_types()
         # Normalise derived fields so that every choice is explicit once built.
         if self.block_types is None:
             object.__setattr__(self, "block_types", family_block_types(self.family, self.depth))
@@ -119,13 +124,42 @@ class ModelConfig:
         if self.mlp_width is None:
             object.__setattr__(self, "mlp_width", self.mlp_expansion * self.width)
         if self.head_dim is None:
-            if self.num_heads <= 0 or self.width % self.num_heads:
-                raise ValueError(
-                    f"width={self.width} is not divisible by num_heads={self.num_heads}; set head_dim explicitly"
-                )
+            if self.width % self.num_heads:
+                raise ValueError(f"invalid ModelConfig: width={self.width} is not divisible by "
+                                 f"num_heads={self.num_heads}; set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.width // self.num_heads)
         object.__setattr__(self, "a_init_range", tuple(self.a_init_range))
         self.validate()
+
+    def check_types(self) -> None:
+        """Raise a ValueError naming the first field whose type is wrong (a string for a number, a number for a
+        flag, ...), before anything is derived from it."""
+
+        def need(cond: bool, key: str, what: str) -> None:
+            if not cond:
+                raise ValueError(f"invalid ModelConfig: {key}={getattr(self, key)!r} must be {what}")
+
+        for key in ("vocab_size", "width", "depth", "mlp_expansion", "num_heads", "num_kv_heads", "attention_window",
+                    "conv1d_width", "gate_blocks"):
+            need(_is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
+        for key in ("rnn_width", "mlp_width", "head_dim"):
+            value = getattr(self, key)
+            need(value is None or (_is_int(value) and value > 0), key, "a positive integer (or None: derived)")
+        for key in ("rg_lru_c", "rope_base", "rope_fraction", "norm_eps"):
+            need(_is_real(getattr(self, key)), key, "a finite number")
+        for key in ("logits_soft_cap", "init_std"):
+            need(getattr(self, key) is None or _is_real(getattr(self, key)), key, "a finite number or None")
+        for key in ("tie_embeddings", "embed_scale", "complex_lru", "conv1d_document_reset",
+                    "attention_document_mask"):
+            need(isinstance(getattr(self, key), bool), key, "true or false (a bool)")
+        for key in ("family", "gelu_approximation", "name"):
+            need(isinstance(getattr(self, key), str), key, "a string")
+        need(self.block_types is None or (isinstance(self.block_types, (list, tuple))
+                                          and all(isinstance(k, str) for k in self.block_types)),
+             "block_types", "a list of block type names (or None: the family's pattern)")
+        rng = self.a_init_range
+        need(isinstance(rng, (list, tuple)) and len(rng) == 2 and all(_is_real(v) for v in rng), "a_init_range",
+             "a pair (min, max) of numbers")
 
     def validate(self) -> None:
         """Raise a ValueError naming the first value that cannot build a model."""
@@ -138,8 +172,7 @@ class ModelConfig:
         for key in ("vocab_size", "width", "depth", "rnn_width", "mlp_width", "num_heads", "head_dim",
                     "num_kv_heads", "attention_window", "conv1d_width", "gate_blocks"):
             value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                 f"{key}={value!r} must be a positive integer")
+            need(_is_int(value) and value > 0, f"{key}={value!r} must be a positive integer")
         need(len(self.block_types) == self.depth,
              f"block_types has {len(self.block_types)} entries but depth={self.depth}")
         for i, kind in enumerate(self.block_types):
@@ -166,6 +199,7 @@ class ModelConfig:
         need(self.logits_soft_cap is None or self.logits_soft_cap > 0,
              f"logits_soft_cap={self.logits_soft_cap} must be positive or None")
         need(self.norm_eps >= 0, f"norm_eps={self.norm_eps} must be non-negative")
+        need(self.init_std is None or self.init_std > 0, f"init_std={self.init_std} must be positive or None")
         need(self.gelu_approximation in GELU_APPROXIMATIONS,
              f"gelu_approximation={self.gelu_approximation!r} is not one of {GELU_APPROXIMATIONS}")
 
@@ -183,12 +217,42 @@ class ModelConfig:
     # Construction -------------------------------------------------------------------------------
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset (see ``griffin.config.PRESETS``), with optional field overrides."""
+        """A named preset (see ``griffin.config.PRESETS``), with field overrides (see :meth:`replace`)."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
-        return dataclasses.replace(PRESETS[name], name=name, **overrides)
+            close = difflib.get_close_matches(name, PRESETS, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else f"; available: {', '.join(sorted(PRESETS))}"
+            raise ValueError(f"unknown preset {name!r}{hint}")
+        return PRESETS[name].replace(name=name, **overrides)
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with ``changes``; the derived fields follow what they derive from unless they were set to something
+        else: ``mlp_width`` (``mlp_expansion`` × ``width``), ``rnn_width`` (``width``), ``head_dim`` (``width`` /
+        ``num_heads``) and ``block_types`` (the family's pattern over ``depth``). A change that cannot apply (say
+        ``mlp_expansion`` where ``mlp_width`` was set otherwise) is an error naming both."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], [f.name for f in dataclasses.fields(self)], n=1)
+            raise ValueError(f"unknown ModelConfig field {unknown[0]!r}" + (f"; did you mean {close[0]!r}?" if close
+                                                                            else ""))
+        derived = {  # field -> (what it derives from, whether it currently holds its derived value)
+            "mlp_width": (("mlp_expansion", "width"), self.mlp_width == self.mlp_expansion * self.width),
+            "rnn_width": (("width",), self.rnn_width == self.width),
+            "head_dim": (("width", "num_heads"), self.num_heads > 0 and self.head_dim * self.num_heads == self.width),
+            "block_types": (("family", "depth"), self.block_types == family_block_types(self.family, self.depth)),
+        }
+        changes = dict(changes)
+        for field_name, (sources, follows) in derived.items():
+            moved = [s for s in sources if s in changes and changes[s] != getattr(self, s)]
+            if not moved or field_name in changes:
+                continue
+            if follows:
+                changes[field_name] = None  # derived again from the new values
+            elif field_name == "mlp_width" and moved == ["mlp_expansion"]:
+                raise ValueError(f"mlp_expansion={changes['mlp_expansion']!r} cannot apply: mlp_width={self.mlp_width} "
+                                 f"is set explicitly here; override mlp_width instead")
+            elif field_name == "block_types" and "family" in moved:
+                raise ValueError(f"family={changes['family']!r} cannot apply: block_types is set explicitly here; "
+                                 f"override block_types too")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,22 +263,41 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """The config of a ``to_dict`` dictionary (a config.json); unknown keys and wrong types are refused."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a ModelConfig must be a JSON object of fields, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig keys: {unknown}")
         data = dict(data)
         for key in ("block_types", "a_init_range"):
-            if data.get(key) is not None:
+            if isinstance(data.get(key), list):
                 data[key] = tuple(data[key])
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the config as JSON, atomically."""
+        write_json(Path(path), self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a config written by :meth:`save`; every error names the file."""
+        path = Path(path)
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _paper_preset(family: str, size: str) -> ModelConfig:
