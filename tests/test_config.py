@@ -103,6 +103,16 @@ def test_dict_round_trip(tmp_path):
         (dict(logits_soft_cap=-1.0), "logits_soft_cap=-1.0"),
         (dict(gelu_approximation="relu"), "gelu_approximation='relu'"),
         (dict(head_dim=7), "head_dim=7"),
+        (dict(init_std=float("nan")), "init_std=nan"),
+        (dict(init_std=-1.0), "init_std=-1.0"),
+        (dict(norm_eps=float("inf")), "norm_eps=inf"),
+        (dict(rg_lru_c="8"), "rg_lru_c='8'"),
+        (dict(a_init_range=(0.9,)), "a_init_range=(0.9,)"),
+        (dict(embed_scale="false"), "embed_scale='false'"),
+        (dict(width="64"), "width='64'"),
+        (dict(depth=2.0), "depth=2.0"),
+        (dict(logits_soft_cap=float("inf")), "logits_soft_cap=inf"),
+        (dict(block_types="recurrent"), "block_types='recurrent'"),
     ],
 )
 def test_invalid_configs_name_the_value(kwargs, needle):
@@ -116,3 +126,34 @@ def test_unknown_preset_and_keys():
         ModelConfig.from_preset("griffin-1t")
     with pytest.raises(ValueError, match="unknown ModelConfig keys: \\['colour'\\]"):
         ModelConfig.from_dict({"colour": "red"})
+
+
+def test_derived_fields_follow_overrides():
+    """mlp_width, rnn_width, head_dim and block_types are derived unless set: an override of what they derive from
+    moves them (the README's `--model width=192` keeps the MLP at 3x); one that cannot apply is an error."""
+    assert ModelConfig.from_preset("griffin-tiny", mlp_expansion=4).mlp_width == 4 * 16
+    c = ModelConfig.from_preset("griffin-cpu", width=192)
+    assert (c.mlp_width, c.rnn_width, c.head_dim) == (3 * 192, 192, 96)  # D_RNN was set (192): kept
+    assert ModelConfig.from_preset("hawk-tiny", depth=6).block_types == ("recurrent",) * 6
+    assert ModelConfig.from_preset("griffin-tiny", family="hawk").block_types == ("recurrent",) * 4
+    explicit = ModelConfig(width=64, mlp_width=100)
+    with pytest.raises(ValueError, match="mlp_expansion=4 cannot apply: mlp_width=100"):
+        explicit.replace(mlp_expansion=4)
+    assert explicit.replace(width=128).mlp_width == 100  # set explicitly: kept
+    mixed = ModelConfig(family="griffin", depth=2, block_types=("attention", "recurrent"))
+    with pytest.raises(ValueError, match="family='hawk' cannot apply: block_types is set"):
+        mixed.replace(family="hawk")
+
+
+def test_mistyped_names_get_suggestions(tmp_path):
+    with pytest.raises(ValueError, match="did you mean griffin-tiny"):
+        ModelConfig.from_preset("griffn-tiny")
+    with pytest.raises(ValueError, match="did you mean 'width'"):
+        ModelConfig.from_preset("griffin-tiny", widht=32)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json is not valid JSON"):
+        ModelConfig.load(tmp_path / "bad.json")
+    (tmp_path / "typed.json").write_text('{"embed_scale": "false"}')
+    with pytest.raises(ValueError, match="typed.json: invalid ModelConfig: embed_scale='false'"):
+        ModelConfig.load(tmp_path / "typed.json")
+
