@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from griffin.config import ModelConfig
-from griffin.io import atomic_write
+from griffin.io import atomic_write, read_safetensors
 from griffin.layers import KVCache, RecurrentState
 
 SNAPSHOT_FORMAT = "griffin-cache-2"
@@ -129,13 +128,15 @@ class Cache:
     @classmethod
     def load(cls, path: str | Path, config: ModelConfig | None = None, device: torch.device | str = "cpu") -> Cache:
         """Read a cache written by :meth:`save`; with ``config``, refuse a cache made by another model."""
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors, meta = read_safetensors(Path(path))
         if meta.get("format") != SNAPSHOT_FORMAT:
             raise ValueError(f"{path} is not a griffin cache snapshot ({SNAPSHOT_FORMAT}); format "
                              f"{meta.get('format', 'unknown')!r}")
-        saved = ModelConfig.from_dict(json.loads(meta["config"]))
+        try:
+            saved = ModelConfig.from_dict(json.loads(meta["config"]))
+            length, started = int(meta["length"]), bool(json.loads(meta.get("started", "false")))
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"cache snapshot {path} has broken metadata: {err}") from None
         if config is not None and saved.replace(name="") != config.replace(name=""):
             diff = {k: (v, getattr(config, k)) for k, v in vars(saved).items()
                     if k != "name" and getattr(config, k) != v}
@@ -148,8 +149,10 @@ class Cache:
             if missing:
                 raise ValueError(f"cache snapshot {path} lacks blocks.{i}.{missing[0]}")
             blocks.append(kind_cls(**{n: tensors[f"blocks.{i}.{n}"] for n in names}))
-        cache = cls(saved, blocks, tensors["position"], tensors["segment"], int(meta["length"]),
-                    json.loads(meta.get("started", "false")))
+        missing = [n for n in ("position", "segment") if n not in tensors]
+        if missing:
+            raise ValueError(f"cache snapshot {path} lacks {missing[0]}")
+        cache = cls(saved, blocks, tensors["position"], tensors["segment"], length, started)
         return cache.to(device)
 
 

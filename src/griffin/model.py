@@ -50,6 +50,26 @@ class TiedOutput(nn.Module):
         return F.linear(x, self.weight)
 
 
+class LanguageModelLoss(nn.Module):
+    """The training loss (Section 3): the summed cross-entropy over ``targets`` (IGNORE_INDEX: not counted) of the
+    soft-capped logits h W^T, all at once (``chunk`` 0) or ``chunk`` rows at a time
+    (:func:`griffin.ops.cross_entropy.chunked_cross_entropy`). A module of its own, so that the output layer's loss
+    can be swapped from outside (the vocabulary-parallel loss of :mod:`griffin.parallel`, Section 4.1)."""
+
+    def __init__(self, logits_soft_cap: float | None) -> None:
+        super().__init__()
+        self.cap = logits_soft_cap
+
+    def forward(self, h: Tensor, weight: Tensor, targets: Tensor, chunk: int = 0) -> Tensor:
+        if chunk:
+            return chunked_cross_entropy(h, weight, targets, self.cap, chunk)
+        logits = F.linear(h, weight)
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 class CausalLM(nn.Module):
     """Embedding, N residual blocks in the family's pattern, final RMSNorm, output layer (tied to the embedding by
     default), optional logit soft-cap."""
@@ -62,6 +82,7 @@ class CausalLM(nn.Module):
         self.final_norm = RMSNorm(config.width, config.norm_eps)
         self.lm_head: nn.Module = (TiedOutput(self.embed) if config.tie_embeddings
                                    else nn.Linear(config.width, config.vocab_size, bias=False))
+        self.loss = LanguageModelLoss(config.logits_soft_cap)
         # sqrt(D) rounded to bfloat16, as in the released RecurrentGemma checkpoints.
         self.embed_multiplier = float(torch.tensor(math.sqrt(config.width), dtype=torch.bfloat16, device="cpu"))
         self.reset_parameters()
@@ -105,8 +126,9 @@ class CausalLM(nn.Module):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
             raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape (batch, time), got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or not input_ids.numel():
+            raise ValueError(f"input_ids must have shape (batch, time) with at least one token, got "
+                             f"{tuple(input_ids.shape)}")
         if positions is not None:
             if not isinstance(positions, Tensor) or positions.dtype.is_floating_point or positions.dtype.is_complex:
                 raise TypeError(f"positions must be an integer tensor, got {getattr(positions, 'dtype', positions)}")
@@ -114,7 +136,7 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"positions must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(positions.shape)}"
                 )
-        if torch.compiler.is_compiling() or input_ids.device.type != "cpu" or not input_ids.numel():
+        if torch.compiler.is_compiling() or input_ids.device.type != "cpu":
             return
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
@@ -217,11 +239,7 @@ class CausalLM(nn.Module):
                 cache.started = positions is None  # every row advanced by T >= 1 from a position >= 0
         if targets is None:
             return self.logits(x if logits_to_keep is None else x[:, T - logits_to_keep :])
-        if loss_chunk:
-            return chunked_cross_entropy(self.final_norm(x), self.output_weight, targets,
-                                         self.config.logits_soft_cap, loss_chunk)
-        return F.cross_entropy(self.logits(x).float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return self.loss(self.final_norm(x), self.output_weight, targets, loss_chunk)
 
 
 def count_parameters(config: ModelConfig) -> int:

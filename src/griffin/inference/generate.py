@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -22,16 +23,20 @@ from griffin.model import CausalLM
 Prompts = Tensor | Sequence[Sequence[int]] | Sequence[int]
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                   seed: int | None = None) -> None:
     """Raise a ValueError naming the first sampling argument that is out of range."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not _is_token(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a non-negative integer")
-    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
         raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0 is greedy)")
-    if not isinstance(top_k, int) or top_k < 0:
+    if not _is_token(top_k) or top_k < 0:
         raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 disables it)")
     if not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r} must lie in (0, 1]")
+    if seed is not None and not _is_token(seed):
+        raise ValueError(f"seed={seed!r} must be an integer or None")
 
 
 def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -55,7 +60,15 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: floa
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def _is_token(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _as_rows(prompts: Prompts) -> list[list[int]]:
+    """Prompts as lists of Python ints: an integer tensor (B, T) or (T,), a list of token lists, or one token list."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(f"prompts must be token ids, got text {prompts[:40]!r}: encode it with a tokenizer first "
+                        "(griffin.data.tokenizer.load_tokenizer(...).encode)")
     if isinstance(prompts, Tensor):
         if prompts.dim() == 1:
             prompts = prompts[None]
@@ -64,16 +77,32 @@ def _as_rows(prompts: Prompts) -> list[list[int]]:
         if prompts.dtype.is_floating_point or prompts.dtype.is_complex or prompts.dtype == torch.bool:
             raise TypeError(f"prompt token ids must be integers, got {prompts.dtype}")
         return [list(map(int, row)) for row in prompts.tolist()]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token lists or an integer tensor, got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(_is_token(t) for t in prompts):
         prompts = [prompts]
     rows = []
     for i, row in enumerate(prompts):
-        try:
-            rows.append([int(t) for t in row])
-        except TypeError as err:
-            raise TypeError(f"prompt {i} is not a sequence of token ids: {row!r}") from err
+        if isinstance(row, Tensor):
+            row = row.tolist() if not (row.dtype.is_floating_point or row.dtype == torch.bool) else [row]
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise TypeError(f"prompt {i} is not a list of token ids: {row!r}")
+        bad = [t for t in row if not _is_token(t)]
+        if bad:
+            raise TypeError(f"prompt {i} has {bad[0]!r}, which is not a token id (an int)")
+        rows.append([int(t) for t in row])
     return rows
+
+
+def check_stops(stop_tokens: Sequence[int], vocab_size: int) -> set[int]:
+    """The stop tokens as a set, or a ValueError naming the first one that is not a token id of the vocabulary."""
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, set, frozenset)):
+        raise ValueError(f"stop_tokens={stop_tokens!r} must be a list of token ids")
+    for t in stop_tokens:
+        if not _is_token(t) or not 0 <= t < vocab_size:
+            raise ValueError(f"stop token {t!r} is not a token id in [0, {vocab_size})")
+    return {int(t) for t in stop_tokens}
 
 
 def _check_prompts(model: CausalLM, rows: list[list[int]], cache: Cache | None) -> None:
@@ -93,6 +122,13 @@ def _check_prompts(model: CausalLM, rows: list[list[int]], cache: Cache | None) 
                              f"{sorted({len(r) for r in rows})}")
 
 
+def _check_sizes(chunk_size: int, max_length: int | None) -> None:
+    if not _is_token(chunk_size) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
+    if max_length is not None and (not _is_token(max_length) or max_length < 1):
+        raise ValueError(f"max_length={max_length!r} must be a positive integer or None")
+
+
 @torch.no_grad()
 def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_length: int | None = None,
             chunk_size: int = 1024) -> tuple[Tensor, Cache]:
@@ -100,8 +136,7 @@ def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_l
     and the cache after the prompts (a new one sized for ``max_length`` tokens unless ``cache`` is given)."""
     rows = _as_rows(prompts)
     _check_prompts(model, rows, cache)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    _check_sizes(chunk_size, max_length)
     device = model.device
     length = max(len(r) for r in rows)
     if cache is None:
@@ -221,9 +256,11 @@ def generate_stream(
     global attention (default: the longest prompt plus ``max_new_tokens``). ``compile``: decode with a
     ``torch.compile``d step (see :class:`Decoder`).
     """
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    check_stops(stop_tokens, model.config.vocab_size)
     rows = _as_rows(prompts)
     _check_prompts(model, rows, cache)
+    _check_sizes(chunk_size, max_length)
     if cache is None and max_length is None:
         max_length = max(len(r) for r in rows) + max_new_tokens
     if cache is not None and cache.max_length is not None and \
@@ -253,14 +290,14 @@ def decode_stream(
 ) -> Iterator[list[int | None]]:
     """Sample from ``logits`` (B, V), the output of :func:`prefill`, then continue one token at a time with a
     :class:`Decoder` on ``cache``."""
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    stops = check_stops(stop_tokens, model.config.vocab_size)
     if max_new_tokens == 0:
         return
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
     decoder = None  # made at the first decode step (a single new token needs none)
-    stops = set(stop_tokens)
     done = [False] * logits.shape[0]
     for step in range(max_new_tokens):
         tokens = sample(logits, temperature, top_k, top_p, generator)

@@ -14,7 +14,6 @@ The two reference implementations differ in semantics, and each import reproduce
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,16 @@ import torch
 from griffin.interop.hf import export_hf, hf_config_to_griffin, load_hf
 from griffin.interop.native import (
     CONFIG_NAME,
+    DTYPES,
     WEIGHTS_NAME,
     CheckpointError,
     load_griffin,
     load_state_checked,
+    resolve_dtype,
     save_pretrained,
 )
 from griffin.interop.official import load_official, official_config_from_state, save_official, to_official_state
+from griffin.io import read_json
 from griffin.model import CausalLM
 
 
@@ -44,7 +46,9 @@ def detect_format(path: str | Path) -> str:
         raise CheckpointError(f"{path}: expected a directory or a .pt/.pth/.ckpt official state dict")
     config = path / CONFIG_NAME
     if config.exists():
-        cfg = json.loads(config.read_text())
+        cfg = read_json(config)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{config} is not a JSON object of config fields")
         if cfg.get("model_type") == "recurrent_gemma":
             return "hf"
         if "family" in cfg and "width" in cfg:
@@ -56,13 +60,14 @@ def detect_format(path: str | Path) -> str:
     raise CheckpointError(f"{path} has no {CONFIG_NAME} and not exactly one .pt/.pth/.ckpt file")
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, **overrides: Any) -> CausalLM:
+def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, **overrides: Any) -> CausalLM:
     """Load a griffin, HF RecurrentGemma or official recurrentgemma checkpoint (format detected).
 
     ``overrides`` apply to official checkpoints only (``attention_window_size``, ``logits_soft_cap``,
     ``embed_scale``), whose config is not stored with the weights.
     """
     path = Path(path)
+    dtype = resolve_dtype(dtype)
     fmt = detect_format(path)
     if overrides and fmt != "official":
         raise TypeError(f"options {sorted(overrides)} only apply to official checkpoints, not {fmt}")
@@ -75,6 +80,6 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, **overri
     return load_official(path, dtype, **overrides)
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "CheckpointError", "detect_format", "export_hf", "hf_config_to_griffin",
-           "load_pretrained", "load_state_checked", "official_config_from_state", "save_official", "save_pretrained",
-           "to_official_state"]
+__all__ = ["CONFIG_NAME", "DTYPES", "WEIGHTS_NAME", "CheckpointError", "detect_format", "export_hf",
+           "hf_config_to_griffin", "load_pretrained", "load_state_checked", "official_config_from_state",
+           "resolve_dtype", "save_official", "save_pretrained", "to_official_state"]

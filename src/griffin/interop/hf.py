@@ -4,23 +4,33 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from griffin.config import ModelConfig
 from griffin.interop.native import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, build_model
-from griffin.io import write_json, write_safetensors
+from griffin.io import read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
 
 
-def hf_config_to_griffin(cfg: dict[str, Any]) -> ModelConfig:
-    """ModelConfig reproducing ``transformers``' RecurrentGemmaForCausalLM for an HF config.json."""
+def hf_config_to_griffin(cfg: dict[str, Any], source: str | Path = "HF config") -> ModelConfig:
+    """ModelConfig reproducing ``transformers``' RecurrentGemmaForCausalLM for an HF config.json; a missing or
+    malformed field is a CheckpointError naming ``source`` and the field."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source} is not a JSON object of config fields")
+    try:
+        return _hf_config(cfg)
+    except KeyError as err:
+        raise CheckpointError(f"{source} lacks the field {err.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as err:
+        raise CheckpointError(f"{source}: {err}") from None
+
+
+def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
     depth = int(cfg["num_hidden_layers"])
     pattern = list(cfg.get("block_types") or ["recurrent", "recurrent", "attention"])
     block_types = tuple("recurrent" if pattern[i % len(pattern)] == "recurrent" else "local_attention"
@@ -92,13 +102,13 @@ def _conv_from_hf(w: Tensor) -> Tensor:  # (R, 1, K) -> (K, R)
 
 
 def load_hf(directory: Path, dtype: torch.dtype | None) -> CausalLM:
-    config = hf_config_to_griffin(json.loads((directory / CONFIG_NAME).read_text()))
+    config = hf_config_to_griffin(read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} holds an HF config but no *.safetensors weights")
     hf: dict[str, Tensor] = {}
     for f in files:
-        hf.update(load_file(str(f)))
+        hf.update(read_safetensors(f)[0])
     names = _hf_name_map(config)
     expected = set(names.values())
     problems = [f"missing: {n}" for n in sorted(expected - set(hf))]

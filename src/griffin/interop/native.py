@@ -3,23 +3,33 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from griffin.config import ModelConfig
-from griffin.io import write_json, write_safetensors
+from griffin.io import read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into the model it describes."""
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating torch dtype given as itself or by name (``"bfloat16"``, ``"torch.float16"``); None stays None."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
 
 
 def load_state_checked(model: CausalLM, state: dict[str, Tensor], source: str) -> None:
@@ -64,8 +74,11 @@ def save_pretrained(model: CausalLM, directory: str | Path) -> None:
 
 
 def load_griffin(directory: Path, dtype: torch.dtype | None) -> CausalLM:
-    config = ModelConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
+    try:
+        config = ModelConfig.from_dict(read_json(directory / CONFIG_NAME))
+    except ValueError as err:
+        raise CheckpointError(f"{directory / CONFIG_NAME}: {err}") from None
     weights = directory / WEIGHTS_NAME
     if not weights.exists():
         raise CheckpointError(f"{directory} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
-    return build_model(config, load_file(str(weights)), str(weights), dtype)
+    return build_model(config, read_safetensors(weights)[0], str(weights), dtype)

@@ -1,13 +1,17 @@
 """The official ``recurrentgemma`` package's PyTorch checkpoints: a state dict of ``recurrentgemma.torch.Griffin``
 saved with ``torch.save``, read with ``torch.load(weights_only=True)`` (never unpickling arbitrary objects), its
 config inferred from the shapes; the official semantics (the Conv1D reset at document starts; a query sees
-``attention_window_size + 1`` keys)."""
+``attention_window_size + 1`` keys). The settings the weights do not hold (window, embedding scale, soft-cap) are
+written beside the state dict as the official ``GriffinConfig``'s fields (``model.pt`` -> ``model.json``) and read
+back from there, so that a conversion round-trips exactly."""
 
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ from torch import Tensor
 
 from griffin.config import ModelConfig
 from griffin.interop.native import CheckpointError, build_model
-from griffin.io import atomic_write
+from griffin.io import atomic_write, read_json, write_json
 from griffin.model import CausalLM
 
 
@@ -104,17 +108,78 @@ def to_official_state(model: CausalLM) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in out.items()}
 
 
-def save_official(model: CausalLM, path: str | Path) -> None:
-    """Write the official ``recurrentgemma.torch.Griffin`` state dict of ``model`` (atomically)."""
+def official_problems(config: ModelConfig) -> list[str]:
+    """What the official ``recurrentgemma.torch.Griffin`` cannot express of ``config`` (empty if it can)."""
+    c = config
+    checks = [
+        ("attention" not in c.block_types, "global attention blocks (the official model has local attention only)"),
+        (c.head_dim * c.num_heads == c.width, f"head_dim={c.head_dim} * num_heads={c.num_heads} != width={c.width}"),
+        (c.gate_blocks == c.num_heads, f"gate_blocks={c.gate_blocks} != num_heads={c.num_heads}"),
+        (c.num_kv_heads == 1, f"num_kv_heads={c.num_kv_heads} (the official attention has one key/value head)"),
+        (c.tie_embeddings, "untied embeddings"),
+        (not c.complex_lru, "the complex CG-LRU"),
+        (c.gelu_approximation == "tanh", f"gelu_approximation={c.gelu_approximation!r}"),
+        ((c.rope_fraction, c.rope_base) == (0.5, 10_000.0),
+         f"rope_fraction={c.rope_fraction}, rope_base={c.rope_base}"),
+        ((c.conv1d_width, c.rg_lru_c, c.norm_eps) == (4, 8.0, 1e-6),
+         f"conv1d_width={c.conv1d_width}, rg_lru_c={c.rg_lru_c}, norm_eps={c.norm_eps}"),
+        (c.conv1d_document_reset and c.attention_document_mask, "no Conv1D reset or attention mask at document starts"),
+        (c.attention_window >= 2 or "local_attention" not in c.block_types, f"attention_window={c.attention_window}"),
+    ]
+    return [problem for ok, problem in checks if not ok]
+
+
+def sidecar_path(path: Path) -> Path:
+    """Where the official ``GriffinConfig`` fields of a state dict file are kept: ``model.pt`` -> ``model.json``."""
+    return Path(path).with_suffix(".json")
+
+
+def save_official(model: CausalLM, path: str | Path, lossy: bool = False) -> None:
+    """Write the official ``recurrentgemma.torch.Griffin`` state dict of ``model`` and, beside it, the official
+    ``GriffinConfig`` fields (both atomically). A model the official one cannot express is refused, unless
+    ``lossy`` (then with a warning: the file holds a different model)."""
+    problems = official_problems(model.config)
+    if problems and not lossy:
+        raise CheckpointError("this model cannot be expressed as an official recurrentgemma model: "
+                              + "; ".join(problems) + " (pass lossy=True / --lossy to write it anyway)")
+    if problems:
+        warnings.warn("writing a lossy official checkpoint: " + "; ".join(problems), stacklevel=2)
+    c, path = model.config, Path(path)
+    fields = {
+        "vocab_size": c.vocab_size, "width": c.width, "mlp_expanded_width": c.mlp_width, "num_heads": c.num_heads,
+        "block_types": ["recurrent" if k == "recurrent" else "attention" for k in c.block_types],
+        "embeddings_scale_by_sqrt_dim": c.embed_scale,
+        "attention_window_size": c.attention_window - 1,  # the official mask admits window_size + 1 keys
+        "logits_soft_cap": c.logits_soft_cap or 0.0, "lru_width": c.rnn_width,
+    }
     state = to_official_state(model)
-    atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    write_json(sidecar_path(path), fields)
 
 
 def load_official(path: Path, dtype: torch.dtype | None, **overrides: Any) -> CausalLM:
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    """The model of an official state dict; window, embedding scale and soft-cap from ``overrides``, else from the
+    ``GriffinConfig`` fields beside the file, else RecurrentGemma's defaults."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a PyTorch state dict of tensors: {err}") from None
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{path} is not a state dict of tensors")
-    config = official_config_from_state(state, **overrides)
+    sidecar = sidecar_path(path)
+    if sidecar.is_file():
+        fields = read_json(sidecar)
+        try:
+            saved = {"attention_window_size": int(fields["attention_window_size"]),
+                     "embed_scale": bool(fields["embeddings_scale_by_sqrt_dim"]),
+                     "logits_soft_cap": float(fields["logits_soft_cap"]) or None}
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{sidecar}: not the official GriffinConfig fields ({err})") from None
+        overrides = {**saved, **overrides}
+    try:
+        config = official_config_from_state(state, **overrides)
+    except (KeyError, ValueError, IndexError) as err:
+        raise CheckpointError(f"{path}: {err}") from None
     return build_model(config, from_official_state(state, config), str(path), dtype)
 
 
