@@ -107,7 +107,7 @@ def test_bad_input_names_the_value(gen):
         model(torch.tensor([[-1, 3]]))
     with pytest.raises(TypeError, match="integer tensor, got dtype torch.float32"):
         model(torch.zeros(1, 3))
-    with pytest.raises(ValueError, match="shape \\(batch, time\\), got \\(3,\\)"):
+    with pytest.raises(ValueError, match="shape \\(batch, time\\) with at least one token, got \\(3,\\)"):
         model(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="positions must have the shape of input_ids \\(1, 3\\), got \\(1, 4\\)"):
         model(torch.tensor([[1, 2, 3]]), torch.arange(4)[None])
