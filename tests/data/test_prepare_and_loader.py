@@ -337,3 +337,16 @@ def test_unigram_loss(dataset):
     expected = -np.mean(np.log(p[np.delete(val, val_starts)]))
     assert unigram_loss(dataset) == pytest.approx(expected, rel=1e-12)
     assert 0 < expected < math.log(vocab)
+
+
+def test_a_single_text_file_becomes_documents_with_a_validation_split(tmp_path):
+    """nanoGPT's workflow: one text file. It is cut into pieces so that the validation split holds some."""
+    text = "\n\n".join(f"Verse {i}: " + "the griffin flies over the hawk. " * 30 for i in range(200))
+    (tmp_path / "input.txt").write_text(text)
+    meta = prepare([tmp_path / "input.txt"], tmp_path / "data", progress=False)
+    splits = meta["splits"]
+    assert meta["piece_chars"] == 1 << 14 and splits["val"]["documents"] >= 1 and splits["train"]["documents"] >= 10
+    assert splits["train"]["tokens"] + splits["val"]["tokens"] == len(text.encode())
+    whole = prepare([tmp_path / "input.txt"], tmp_path / "whole", progress=False, piece_chars=0)
+    assert whole["splits"]["val"]["documents"] == 0  # asked not to cut: one document, no validation split
+

@@ -60,3 +60,15 @@ def test_valid_utf8():
     raw = b"caf\xc3\xa9 \xff\xfe end".decode("utf-8", "surrogateescape")
     assert valid_utf8(raw) == "café \ufffd\ufffd end"
     valid_utf8(raw).encode("utf-8")  # encodable
+
+
+def test_split_pieces_cuts_at_blank_lines_then_line_ends():
+    from griffin.data.sources import split_pieces
+
+    text = "".join(f"paragraph {i}\nsecond line\n\n" for i in range(40))
+    pieces = list(split_pieces([text, "short"], 100))
+    assert "".join(pieces[:-1]) == text and pieces[-1] == "short"
+    assert all(len(p) <= 100 for p in pieces) and all(p.endswith("\n\n") for p in pieces[:-2])
+    lines = "x" * 30 + "\n" + "y" * 90
+    assert list(split_pieces([lines], 60)) == ["x" * 30 + "\n", "y" * 60, "y" * 30]  # no blank line, a line end
+

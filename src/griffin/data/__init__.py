@@ -1,11 +1,12 @@
 """Training data: read documents (``sources``), tokenize them (``tokenizer``) into memory-mapped shards
-(``prepare``) and stream packed batches from them (``loader``)."""
+(``dataset``) and stream packed batches from them (``loader``)."""
 
-from griffin.data.dataset import load_dataset_tokenizer, load_meta, prepare
+from griffin.data.dataset import VAL_FRACTION, load_dataset_tokenizer, load_meta, prepare
 from griffin.data.loader import Batch, PackedLoader, eval_batches, unigram_loss
 from griffin.data.sources import default_corpus_files, iter_documents
 
 __all__ = [
+    "VAL_FRACTION",
     "Batch",
     "PackedLoader",
     "default_corpus_files",

@@ -27,12 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from griffin.data.sources import default_corpus_files, expand_inputs, iter_file_documents
+from griffin.data.sources import default_corpus_files, expand_inputs, iter_file_documents, split_pieces
 from griffin.data.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "griffin-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
+VAL_FRACTION = 0.02  # documents held out for validation, by default (prepare and train alike)
+PIECE_CHARS = 1 << 14  # a lone document is cut into pieces of about this many characters
+
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
@@ -154,14 +157,17 @@ def _install(tmp: Path, out_dir: Path) -> None:
 
 
 def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer: str = "bytes", *,
-            val_fraction: float = 0.01, seed: int = 0, text_field: str = "text", shard_tokens: int = 1 << 27,
-            dtype: str | None = None, progress: bool = True) -> dict:
+            val_fraction: float = VAL_FRACTION, seed: int = 0, text_field: str = "text", shard_tokens: int = 1 << 27,
+            dtype: str | None = None, progress: bool = True, piece_chars: int | None = None) -> dict:
     """Tokenize ``inputs`` (None: the default corpus, see ``default_corpus_files``) into a dataset in ``out_dir``
     and return its meta (also written to ``out_dir/meta.json``).
 
     Documents go to the val split by a permutation seeded with ``seed`` (``round(n * val_fraction)`` of them, at
-    least one when ``val_fraction > 0`` and there are two or more, never all). The inputs are read twice (count, then
-    tokenize), and the dataset is built in a temporary directory that replaces ``out_dir`` only once complete."""
+    least one when ``val_fraction > 0`` and there are two or more, never all). ``piece_chars`` cuts every document
+    into pieces of about that many characters (:func:`griffin.data.sources.split_pieces`); by default only a single
+    document is cut (one text file: a book, nanoGPT's ``input.txt``), into pieces of ``PIECE_CHARS``, so that the
+    validation split holds some. The inputs are read twice (count, then tokenize), and the dataset is built in a
+    temporary directory that replaces ``out_dir`` only once complete."""
     from tqdm import tqdm
 
     if not 0 <= val_fraction < 1:
@@ -178,7 +184,14 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     files = default_corpus_files() if default else expand_inputs(inputs)
     sources = [sysconfig.get_paths()["stdlib"]] if default else [str(p) for p in inputs]
 
-    n_docs = sum(1 for _ in iter_file_documents(files, text_field, sources))
+    def documents() -> Iterator[str]:
+        docs = iter_file_documents(files, text_field, sources)
+        return split_pieces(docs, piece_chars) if piece_chars else docs
+
+    n_docs = sum(1 for _ in documents())
+    if piece_chars is None and n_docs == 1:
+        piece_chars = PIECE_CHARS
+        n_docs = sum(1 for _ in documents())
     n_val = 0
     if val_fraction > 0 and n_docs >= 2:
         n_val = min(max(1, round(n_docs * val_fraction)), n_docs - 1)
@@ -194,7 +207,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
         doc = 0
         with tqdm(total=n_docs, unit="doc", desc="prepare", disable=not progress, dynamic_ncols=True) as bar:
             n_bytes = n_tokens = 0
-            for texts in _batched(iter_file_documents(files, text_field, sources)):
+            for texts in _batched(documents()):
                 for ids in tok.encode_batch(texts):
                     if len(ids) and int(ids.max()) >= tok.vocab_size:
                         raise ValueError(f"token id {int(ids.max())} outside the vocabulary ({tok.vocab_size})")
@@ -228,6 +241,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
             "text_field": text_field,
             "seed": seed,
             "val_fraction": val_fraction,
+            "piece_chars": piece_chars,
             "shard_tokens": shard_tokens,
         }
         if default:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 TEXT_SUFFIXES = frozenset({
@@ -140,3 +140,23 @@ def valid_utf8(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def split_pieces(texts: Iterable[str], piece_chars: int) -> Iterator[str]:
+    """Each text cut into documents of at most about ``piece_chars`` characters: at the last blank line of a piece
+    if it has one in its second half, else at its last line end, else where the piece ends (a single long text,
+    such as a book in one file, becomes documents, so that a validation split can hold some of them)."""
+    if piece_chars < 1:
+        raise ValueError(f"piece_chars={piece_chars} must be positive")
+    for text in texts:
+        start = 0
+        while len(text) - start > piece_chars:
+            end = start + piece_chars
+            blank = text.rfind("\n\n", start + piece_chars // 2, end - 1)
+            line = text.rfind("\n", start + piece_chars // 2, end)
+            end = blank + 2 if blank >= 0 else line + 1 if line >= 0 else end
+            yield text[start:end]
+            start = end
+        if start < len(text):
+            yield text[start:]
+
