@@ -93,3 +93,16 @@ def test_lossy_conversion_is_refused_and_writes_nothing(gen, tmp_path):
     with pytest.raises(ValueError, match="cannot be expressed as an official recurrentgemma model: untied"):
         save_official(untied, tmp_path / "o.pt")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("tokenizer.json", b"garbage", "is not a tokenizer.json of the HF tokenizers library"),
+    ("tokenizer.model", b"garbage", "is not a SentencePiece model"),
+])
+def test_garbage_tokenizer_files_are_named(tmp_path, name, content, needle):
+    from griffin.data.tokenizer import load_tokenizer
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=needle):
+        load_tokenizer(tmp_path / name)
+

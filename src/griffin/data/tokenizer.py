@@ -65,7 +65,10 @@ class HFTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
-        self.tok = _Tokenizer.from_file(str(path))
+        try:
+            self.tok = _Tokenizer.from_file(str(path))
+        except Exception as err:  # the library raises a bare Exception for a malformed file
+            raise ValueError(f"{path} is not a tokenizer.json of the HF tokenizers library: {err}") from None
         self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size()
         self.bos_id = self._special(("<bos>", "<s>", "<|bos|>", "[BOS]"))
@@ -97,7 +100,10 @@ class SentencePieceTokenizer:
     def __init__(self, path: str | Path) -> None:
         import sentencepiece as spm
 
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as err:
+            raise ValueError(f"{path} is not a SentencePiece model: {err}") from None
         self.vocab_size = self.sp.get_piece_size()
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
