@@ -1,0 +1,101 @@
+"""The options of ``griffin serve`` (argparse only: the command line builds its parser without importing the server's
+dependencies)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ServeConfig:
+    """Every option of ``griffin serve`` (see :func:`add_serve_arguments` for their meaning)."""
+
+    checkpoint: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer: str = "auto"
+    served_model_name: str | None = None
+    dtype: torch.dtype | None = None
+    device: str = "cpu"
+    max_batch: int = 32
+    max_queue: int = 256
+    max_length: int | None = None
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+    prefill_chunk: int = 512
+    prefix_cache_mb: float = 256.0
+    compile: bool = False
+    request_timeout: float | None = 600.0
+    shutdown_grace: float = 30.0
+    chat_template: str | None = None
+    no_bos: bool = False
+    threads: int | None = None
+    log_level: str = "info"
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``griffin serve`` flags, one per :class:`ServeConfig` field."""
+    d = ServeConfig("")
+    p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
+    p.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
+    p.add_argument("--tokenizer", default=d.tokenizer,
+                   help="'bytes', a tokenizer.json, a SentencePiece .model, or a directory holding one; 'auto': the "
+                        "checkpoint directory's tokenizer if it holds one, else bytes")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients give (default: the checkpoint directory's name)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    p.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch,
+                   help="rows of the running batch: requests decoded together (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests waiting for a row before the server answers 429 (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="models with global attention (MQA): tokens per row of the KV cache, prompt + output "
+                        "(default 4096); Hawk and Griffin have a bounded state and need none")
+    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
+                   help="the largest max_tokens a request may ask for (default: %(default)s)")
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="max_tokens of a chat request that gives none (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens per forward pass, and per step between two decode steps (default: "
+                        "%(default)s): smaller keeps the running requests' per-token latency low while long "
+                        "prompts are read")
+    p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
+                   help="memory for the states after prompt prefixes (chat turns, system prompts) kept for reuse; "
+                        "0 disables it (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step for each power-of-two batch size at start-up (slow to start)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may take from its arrival (default: %(default)s)")
+    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled "
+                        "(default: %(default)s)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or 'plain' (default: the tokenizer's, else plain; "
+                        "docs/serving.md)")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token to text prompts")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The :class:`ServeConfig` of parsed ``griffin serve`` arguments."""
+    fields = {k: getattr(args, k) for k in ServeConfig.__dataclass_fields__ if hasattr(args, k)}
+    fields["dtype"] = DTYPES[args.dtype] if args.dtype else None
+    return ServeConfig(**fields)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``griffin serve``: serve until interrupted."""
+    try:
+        from griffin.serve.server import run
+    except ImportError as err:
+        raise ValueError(f"griffin serve needs the 'serve' extra ({err}): pip install -e '.[serve]'") from err
+    run(config_from_args(args))
+    return 0
