@@ -23,13 +23,34 @@ def test_convert_between_all_formats(tmp_path, gen, capsys):
     ids = torch.randint(0, 32, (1, 25), generator=gen)
     expected = model.eval()(ids)
     assert main(["convert", str(tmp_path / "g"), str(tmp_path / "hf"), "--to", "hf"]) == 0
-    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.pt"), "--to", "official"]) == 0
+    # HF semantics (no Conv1D reset at document starts) cannot be expressed by the official model: refused, or lossy
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.pt"), "--to", "official"]) == 2
+    assert "cannot be expressed as an official recurrentgemma model" in capsys.readouterr().err
+    assert not (tmp_path / "o.pt").exists()
+    with pytest.warns(UserWarning, match="lossy official checkpoint"):
+        assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "o.pt"), "--to", "official", "--lossy"]) == 0
     assert main(["convert", str(tmp_path / "o.pt"), str(tmp_path / "back"), "--window", "5"]) == 0
     back = load_pretrained(tmp_path / "back")
     assert back.config.attention_window == 6  # official window 5 = 6 keys seen
     torch.testing.assert_close(load_pretrained(tmp_path / "hf")(ids), expected)
     assert main(["info", str(tmp_path / "hf")]) == 0
     assert "format: hf" in capsys.readouterr().out
+
+
+def test_official_conversion_round_trips(tmp_path, gen):
+    """griffin -> official -> griffin keeps every setting the weights do not hold (window, embedding scale, soft-cap:
+    in the official GriffinConfig fields beside the .pt) and the logits."""
+    cfg = ModelConfig.from_preset("griffin-tiny", gate_blocks=2, attention_window=9)  # no embed scale, no soft-cap
+    model = CausalLM(cfg).eval()
+    perturb_(model, gen)
+    save_pretrained(model, tmp_path / "g")
+    assert main(["convert", str(tmp_path / "g"), str(tmp_path / "o.pt"), "--to", "official"]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["attention_window_size"] == 8
+    assert main(["convert", str(tmp_path / "o.pt"), str(tmp_path / "back")]) == 0
+    back = load_pretrained(tmp_path / "back")
+    assert back.config.replace(name="") == cfg.replace(name="")
+    ids = torch.randint(0, 32, (1, 25), generator=gen)
+    torch.testing.assert_close(back(ids), model(ids))
 
 
 def test_convert_reports_errors(tmp_path, capsys):

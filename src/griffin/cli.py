@@ -54,7 +54,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif args.to == "hf":
         export_hf(model, out)
     else:
-        save_official(model, out)
+        save_official(model, out, lossy=args.lossy)
     print(f"wrote {args.to} checkpoint of {model.num_parameters():,} parameters to {out}")
     return 0
 
@@ -236,7 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output directory (griffin, hf) or .pt file (official)")
     p.add_argument("--to", choices=("griffin", "hf", "official"), default="griffin", help="output format")
     p.add_argument("--window", type=int, default=None,
-                   help="official checkpoints only: attention_window_size used in training (default 2048)")
+                   help="official checkpoints only: attention_window_size used in training (default: the value in "
+                        "the .json beside the .pt if any, else 2048)")
+    p.add_argument("--lossy", action="store_true",
+                   help="write a format that cannot express the model anyway (with a warning); otherwise refused")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
     p.set_defaults(func=cmd_convert)
 
@@ -260,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-state", help="save the model state after the prompt to this file (a snapshot)")
     p.add_argument("--load-state", help="continue from a saved state instead of an empty context")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (CUDA graphs on GPU): faster per token, after 15-40 s of "
-                        "compiling; for long generations")
+                   help="torch.compile the decode step (CUDA graphs on GPU): faster per token, after a one-time "
+                        "compilation; for long generations")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("train", help="train a model (Section 3); with no options, a small Griffin on the "
