@@ -223,6 +223,12 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from griffin.serve.options import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="griffin", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -296,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="show the config of a preset or a checkpoint")
     p.add_argument("path", help="a preset name or a checkpoint path")
     p.set_defaults(func=cmd_info)
+
+    from griffin.serve.options import add_serve_arguments
+
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API, with continuous "
+                       "batching and prefix-state caching (docs/serving.md)")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 
