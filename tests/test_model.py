@@ -145,7 +145,7 @@ def test_forward_updates_the_cache_in_place(gen, family):
 
 
 def test_embedding_scale_is_sqrt_width_in_bfloat16(gen):
-    model = tiny("griffin", gen, embed_scale=True, width=20)
+    model = tiny("griffin", gen, embed_scale=True, width=20, num_heads=5)  # head_dim 4
     assert model.embed_multiplier == 4.46875  # sqrt(20) = 4.472... rounded to bfloat16, as RecurrentGemma
     ids = torch.tensor([[3, 4]])
     torch.testing.assert_close(model.embed_tokens(ids), model.embed(ids) * 4.46875, atol=0, rtol=0)
