@@ -9,6 +9,7 @@ on GPU). The one host sync per step is the caller's: the sampled tokens are hand
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -17,8 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from griffin.cache import Cache
+from griffin.inference.matvec import matvec_swapped
 from griffin.inference.prepack import can_prepack, prepacked
 from griffin.model import CausalLM
+from griffin.quantize import quantization_of
 
 Prompts = Tensor | Sequence[Sequence[int]] | Sequence[int]
 
@@ -181,6 +184,16 @@ def _decode_forward(model: nn.Module, tokens: Tensor, cache: Cache) -> Tensor:
     return model(tokens[:, None], cache=cache)[:, -1]
 
 
+MATVEC_MAX_BATCH = 8  # rows up to which the matvec kernel beats oneDNN's prepacked matmul (docs/performance.md)
+MATVEC_MIN_BYTES = 64 << 20  # weights from which a step is bound by reading them (beyond the last-level cache)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what a decode step reads, caches aside)."""
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class Decoder:
     """One-token decode steps on ``cache`` (Section 5): ``decoder(tokens)`` with tokens (B,) returns the logits
     (B, vocab) of the next ones and advances the cache in place. A step is the model's forward pass on one token per
@@ -190,23 +203,39 @@ class Decoder:
     continue a document (a prompt was prefilled). A step then checks the tokens' shape and the global-attention KV
     cache's room; token ids are not checked (they are sampled from the model's own logits).
 
-    ``prepack`` (default: on CPU): the weight matmuls run on a copy of the model whose linear layers hold weights laid
-    out for oneDNN (:func:`griffin.inference.prepack.prepacked`), made here: faster, equal to the plain path up to
-    float32 rounding, blind to later changes of the weights, and as large as the weights while the decoder lives (pass
-    ``prepack=False`` where memory is tight). ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on
-    GPU) with static shapes: attention then reads every preallocated slot, masked.
+    The weight matmuls, on CPU, run on a copy of the model that shares its tensors, made here (later changes of the
+    weights are not seen): ``matvec`` (default: at batch <= :data:`MATVEC_MAX_BATCH` for models of at least
+    :data:`MATVEC_MIN_BYTES` of weights, and always for int8 models) reads each weight once from memory, the layers
+    that share an input fused into one call (:func:`griffin.inference.matvec.matvec_swapped`); otherwise
+    ``prepack`` (default: on CPU) holds the weights laid out for oneDNN (:func:`griffin.inference.prepack.prepacked`),
+    as large as the weights while the decoder lives (pass ``prepack=False`` where memory is tight). Both equal the
+    plain path up to float32 rounding. An int8 model (:func:`griffin.quantize.quantize_int8`) decodes on CPU only.
+    ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on GPU) with static shapes: attention then
+    reads every preallocated slot, masked.
     """
 
-    def __init__(self, model: CausalLM, cache: Cache, compile: bool = False, prepack: bool | None = None) -> None:
+    def __init__(self, model: CausalLM, cache: Cache, compile: bool = False, prepack: bool | None = None,
+                 matvec: bool | None = None) -> None:
         model.check_cache(cache, cache.batch_size)
+        quantized = quantization_of(model)
+        if quantized is not None and (model.device.type != "cpu" or matvec is False):
+            where = f"the model is on {model.device}" if model.device.type != "cpu" else "matvec=False"
+            raise ValueError(f"{quantized['method']} weights decode with the CPU kernel only, and {where}: decode "
+                             "the float model on this device, or the quantised one on the CPU")
         if not cache.started:
             if bool((cache.position < 1).any()):  # one host sync per prompt
                 raise ValueError("decoding continues the documents in the cache: prefill at least one token per row "
                                  "(e.g. a BOS token) first")
             cache.started = True
+        if matvec is None:
+            matvec = model.device.type == "cpu" and (quantized is not None or (
+                cache.batch_size <= MATVEC_MAX_BATCH and weight_bytes(model) >= MATVEC_MIN_BYTES))
         if prepack is None:
-            prepack = can_prepack(model.output_weight)
-        self.model = prepacked(model, cache.batch_size) if prepack else model
+            prepack = not matvec and quantized is None and can_prepack(model.output_weight)
+        if matvec:
+            self.model = matvec_swapped(model)
+        else:
+            self.model = prepacked(model, cache.batch_size) if prepack else model
         self.cache, self.compile = cache, compile
         if compile:
             self.step = compiled_forward(model.device)

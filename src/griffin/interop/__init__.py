@@ -33,6 +33,7 @@ from griffin.interop.native import (
 from griffin.interop.official import load_official, official_config_from_state, save_official, to_official_state
 from griffin.io import read_json
 from griffin.model import CausalLM
+from griffin.quantize import quantization_of, quantize_int8
 
 
 def detect_format(path: str | Path) -> str:
@@ -80,6 +81,24 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, **
     return load_official(path, dtype, **overrides)
 
 
+def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 0,
+                        dtype: torch.dtype | str | None = None) -> CausalLM:
+    """Load a checkpoint (any format), quantise its weights to int8 (:func:`griffin.quantize.quantize_int8`) and write
+    it to ``dst`` in griffin's format: int8 matrices and their float32 scales in ``model.safetensors``, loadable by
+    :func:`load_pretrained` without quantising again. Returns the quantised model."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise ValueError(f"the quantised checkpoint would overwrite its source {src}: give another directory")
+    model = load_pretrained(src, dtype=dtype)
+    done = quantization_of(model)
+    if done is not None:
+        raise ValueError(f"{src} is already quantised ({done['method']}, group_size={done['group_size']}): quantise "
+                         "the float checkpoint it came from")
+    model = quantize_int8(model, group_size, inplace=True)
+    save_pretrained(model, dst)
+    return model
+
+
 __all__ = ["CONFIG_NAME", "DTYPES", "WEIGHTS_NAME", "CheckpointError", "detect_format", "export_hf",
            "hf_config_to_griffin", "load_pretrained", "load_state_checked", "official_config_from_state",
-           "resolve_dtype", "save_official", "save_pretrained", "to_official_state"]
+           "quantize_checkpoint", "resolve_dtype", "save_official", "save_pretrained", "to_official_state"]

@@ -15,6 +15,7 @@ from griffin.config import ModelConfig
 from griffin.interop.native import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, build_model
 from griffin.io import read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
+from griffin.quantize import quantization_of
 
 
 def hf_config_to_griffin(cfg: dict[str, Any], source: str | Path = "HF config") -> ModelConfig:
@@ -124,6 +125,8 @@ def export_hf(model: CausalLM, directory: str | Path) -> None:
     """Write ``model`` as a HuggingFace RecurrentGemma directory (config.json + model.safetensors)."""
     c = model.config
     problems = []
+    if quantization_of(model) is not None:
+        problems.append("int8 weights (export the float checkpoint it was quantised from)")
     if "attention" in c.block_types:
         problems.append("global attention blocks (HF RecurrentGemma only has local attention)")
     if c.head_dim * c.num_heads != c.width:

@@ -11,6 +11,7 @@ from torch import Tensor
 from griffin.config import ModelConfig
 from griffin.io import read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
+from griffin.quantize import float32_scales_, int8_structure_, quantization_of, quantization_of_state
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -54,13 +55,25 @@ def load_state_checked(model: CausalLM, state: dict[str, Tensor], source: str) -
 
 
 def build_model(config: ModelConfig, state: dict[str, Tensor], source: str, dtype: torch.dtype | None) -> CausalLM:
+    """The model of ``config`` holding ``state`` (int8 layers where the state has int8 weights and their scales,
+    :mod:`griffin.quantize`), in ``dtype`` (default: the state's floating dtype)."""
+    try:
+        quantized = quantization_of_state(state)
+    except ValueError as err:
+        raise CheckpointError(f"cannot load {source}: {err}") from None
     with torch.device("meta"):
         model = CausalLM(config)
+    if quantized is not None:
+        try:
+            int8_structure_(model, quantized["group_size"])
+        except ValueError as err:
+            raise CheckpointError(f"cannot load {source}: {err}") from None
     model = model.to_empty(device="cpu")
     if dtype is None:
-        dtype = next(iter(state.values())).dtype if state else torch.float32
-        dtype = dtype if dtype.is_floating_point else torch.float32
+        floats = [t.dtype for name, t in state.items() if t.is_floating_point() and not name.endswith("_scale")]
+        dtype = floats[0] if floats else torch.float32
     model = model.to(dtype)
+    float32_scales_(model)
     load_state_checked(model, state, source)
     return model.eval()
 
@@ -69,7 +82,11 @@ def save_pretrained(model: CausalLM, directory: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` (each atomically) into ``directory``."""
     directory = Path(directory)
     state = dict(model.state_dict())
-    write_safetensors(directory / WEIGHTS_NAME, state, {"format": "pt", "library": "griffin"})
+    metadata = {"format": "pt", "library": "griffin"}
+    quantized = quantization_of(model)
+    if quantized is not None:  # informative: loading reads the quantisation from the tensors
+        metadata.update(quantization=quantized["method"], group_size=str(quantized["group_size"]))
+    write_safetensors(directory / WEIGHTS_NAME, state, metadata)
     write_json(directory / CONFIG_NAME, model.config.to_dict())
 
 

@@ -22,6 +22,7 @@ from griffin.config import ModelConfig
 from griffin.interop.native import CheckpointError, build_model
 from griffin.io import atomic_write, read_json, write_json
 from griffin.model import CausalLM
+from griffin.quantize import quantization_of
 
 
 def official_config_from_state(
@@ -87,6 +88,9 @@ def from_official_state(state: dict[str, Tensor], config: ModelConfig) -> dict[s
 
 def to_official_state(model: CausalLM) -> dict[str, Tensor]:
     """The state dict of the equivalent official ``recurrentgemma.torch.Griffin``."""
+    if quantization_of(model) is not None:
+        raise CheckpointError("an official recurrentgemma model has no int8 weights: convert the float checkpoint "
+                              "this one was quantised from")
     out: dict[str, Tensor] = {}
     for name, t in model.state_dict().items():
         if name == "embed.weight":

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from griffin.config import ModelConfig
 from griffin.layers.context import EMPTY, Context
+from griffin.layers.linear_group import LinearGroup
 from griffin.layers.rope import apply_rope
 from griffin.ops.attention import fused_sdpa, masked_attention, sliding_window_attention
 
@@ -52,6 +53,7 @@ class MultiQueryAttention(nn.Module):
         self.proj_k = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
         self.proj_v = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
         self.proj_final = nn.Linear(self.num_heads * self.head_dim, D, bias=True)
+        self.qkv = LinearGroup(self, ("proj_q", "proj_k", "proj_v"))  # one input: fused for decoding
         self.reset_parameters()
 
     @property
@@ -85,9 +87,8 @@ class MultiQueryAttention(nn.Module):
         to the keys of its own document up to itself (within the window if local). With ``cache``, the tokens
         continue the cached sequences and are written to the cache."""
         B, T, _ = x.shape
-        q = self.proj_q(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.proj_k(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.proj_v(x).view(B, T, self.num_kv_heads, self.head_dim)
+        # Heads: as many as the projections give (all of them, or this device's share under tensor parallelism).
+        q, k, v = (t.view(B, T, t.shape[-1] // self.head_dim, self.head_dim) for t in self.qkv(x))
         if ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
         if cache is None:
@@ -96,7 +97,7 @@ class MultiQueryAttention(nn.Module):
             out = self.attend_ring(q, k, v, ctx.segments, cache)
         else:
             out = self.attend_cached(q, k, v, ctx.segments, cache, ctx.cache_len)
-        return self.proj_final(out.reshape(B, T, self.num_heads * self.head_dim))
+        return self.proj_final(out.flatten(2))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor | None) -> Tensor:
         """Causal attention within the sequence (training, or a prompt without a cache)."""

@@ -7,6 +7,8 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from griffin.layers.linear_group import LinearGroup
+
 
 class GatedMLP(nn.Module):
     def __init__(self, width: int, mlp_width: int, gelu_approximation: str = "tanh",
@@ -17,6 +19,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(width, mlp_width)
         self.up_proj = nn.Linear(width, mlp_width)
         self.down_proj = nn.Linear(mlp_width, width)
+        self.gate_up = LinearGroup(self, ("gate_proj", "up_proj"))  # one input: fused for decoding
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -28,5 +31,5 @@ class GatedMLP(nn.Module):
         nn.init.zeros_(self.down_proj.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = F.gelu(self.gate_proj(x), approximate=self.gelu_approximation)
-        return self.down_proj(gate * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.gelu(gate, approximate=self.gelu_approximation) * up)

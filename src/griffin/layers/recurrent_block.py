@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from griffin.config import ModelConfig
 from griffin.layers.context import Context
 from griffin.layers.conv1d import CausalConv1D, next_conv_state
+from griffin.layers.linear_group import LinearGroup
 from griffin.layers.rg_lru import CGLRU, RGLRU
 
 
@@ -34,6 +35,7 @@ class RecurrentBlock(nn.Module):
         self.linear_y = nn.Linear(D, R)
         self.linear_x = nn.Linear(D, R)
         self.linear_out = nn.Linear(R, D)
+        self.in_proj = LinearGroup(self, ("linear_y", "linear_x"))  # one input: fused for decoding
         self.conv_1d = CausalConv1D(R, config.conv1d_width)
         lru = CGLRU if config.complex_lru else RGLRU
         self.rg_lru = lru(R, config.gate_blocks, config.rg_lru_c, config.a_init_range)
@@ -61,8 +63,8 @@ class RecurrentBlock(nn.Module):
     def forward(self, x: Tensor, ctx: Context, cache: RecurrentState | None = None) -> Tensor:
         """x: (B, T, D). Document starts (``ctx.reset``) reset the RG-LRU and, if configured, the Conv1D; padding's
         Conv1D inputs are zeroed. With ``cache`` (the state before x), the state after x is written back to it."""
-        y = F.gelu(self.linear_y(x), approximate=self.config.gelu_approximation)
-        u = self.linear_x(x)
+        y, u = self.in_proj(x)
+        y = F.gelu(y, approximate=self.config.gelu_approximation)
         if ctx.pad is not None:
             u = u.masked_fill(ctx.pad[..., None], 0.0)
         conv_reset = ctx.reset if self.config.conv1d_document_reset else None

@@ -32,8 +32,9 @@ class BlockDiagonalLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., in_width) -> (..., out_width): one batched matmul over the blocks with the bias fused in
-        (``baddbmm``; faster than ``einsum`` + add at every size measured, 1.5x at decode sizes)."""
-        xb = x.reshape(-1, self.blocks, self.w.shape[1]).transpose(0, 1)  # (blocks, N, in/blocks)
+        (``baddbmm``, faster than ``einsum`` + add). The blocks are those
+        ``w`` holds: all of them, or this device's share under tensor parallelism (Section 4.1)."""
+        xb = x.reshape(-1, self.w.shape[0], self.w.shape[1]).transpose(0, 1)  # (blocks, N, in/blocks)
         y = torch.baddbmm(self.b[:, None, :], xb, self.w)  # (blocks, N, out/blocks)
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 

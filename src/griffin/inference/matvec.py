@@ -1,0 +1,98 @@
+"""The weight matmuls of a decode step at memory bandwidth on CPU (Section 5.1), applied from outside the model as a
+module swap.
+
+At batch 1-8 a decode step of a 1-3B model is bound by reading its weights (docs/performance.md, "Decoding 1-3B
+models on CPU"). :func:`matvec_swapped` makes a copy of the model that shares every tensor, in which
+
+- each :class:`griffin.layers.LinearGroup` (attention's q/k/v, the recurrent block's two branches, the MLP's two
+  up-projections) is one :class:`MatvecLinear`: one call of the CPU kernel over all its matrices, no copy of them;
+- every other linear layer (and the output layer, tied or not) is a :class:`MatvecLinear` of its own,
+
+whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The kernel is
+:mod:`griffin.ops.matvec.cpu`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results equal
+the layers' own up to float32 rounding (the sums' order); the layers' biases and int8 scales are copied (concatenated)
+here, so later changes to those are not seen (make a new copy after training).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from griffin.layers import LinearGroup
+from griffin.layers.quantized import Int8Linear, Int8TiedOutput
+from griffin.model import TiedOutput
+from griffin.ops.matvec.cpu import WEIGHT_DTYPES, MatvecWeights, matvec_cpu
+
+LINEAR_LAYERS = (nn.Linear, TiedOutput, Int8Linear, Int8TiedOutput)
+
+
+def can_matvec(layer: nn.Module) -> bool:
+    """Whether the CPU kernel reads ``layer``'s weight: a linear layer with a contiguous float32, bfloat16 or int8 CPU
+    matrix."""
+    if not isinstance(layer, LINEAR_LAYERS):
+        return False
+    w = layer.weight
+    return w.device.type == "cpu" and w.dtype in WEIGHT_DTYPES and w.dim() == 2 and w.is_contiguous()
+
+
+class MatvecLinear(nn.Module):
+    """Linear layers that read one input, as one call of the CPU kernel over their weights (shared). Returns the
+    output (one layer) or the tuple of outputs (``group=True``), in the input's dtype."""
+
+    def __init__(self, layers: Sequence[nn.Module], group: bool = False) -> None:
+        super().__init__()
+        weights = [layer.weight for layer in layers]
+        scales = [getattr(layer, "weight_scale", None) for layer in layers]
+        biases = [getattr(layer, "bias", None) for layer in layers]
+        self.prepared = MatvecWeights.prepare(weights, scales, biases)
+        self.group, self.sizes = group, [w.shape[0] for w in weights]
+        for j, w in enumerate(weights):  # registered, for torch.compile to see them as the module's tensors
+            if isinstance(w, nn.Parameter):
+                self.register_parameter(f"weight{j}", w)
+            else:
+                self.register_buffer(f"weight{j}", w, persistent=False)
+        self.register_buffer("tiles", torch.from_numpy(self.prepared.tiles), persistent=False)
+        self.register_buffer("scale", torch.from_numpy(self.prepared.scale), persistent=False)
+        self.register_buffer("bias", torch.from_numpy(self.prepared.bias), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if torch.compiler.is_compiling():
+            weights = [getattr(self, f"weight{j}") for j in range(len(self.sizes))]
+            out = torch.ops.griffin.matvec.default(x, weights, self.tiles, self.scale, self.bias)
+        else:
+            out = matvec_cpu(x, self.prepared)
+        return tuple(out.split(self.sizes, -1)) if self.group else out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.prepared.in_features}, out_features={self.sizes}"
+
+
+def _fusable(layers: list[nn.Module]) -> bool:
+    if not all(can_matvec(layer) for layer in layers):
+        return False
+    weights = [layer.weight for layer in layers]
+    groups = {getattr(layer, "weight_scale", torch.empty(0, 1)).shape[1] for layer in layers}
+    return len({w.dtype for w in weights}) == 1 and len({w.shape[1] for w in weights}) == 1 and len(groups) == 1
+
+
+def matvec_swapped(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` sharing its tensors, whose linear layers run through the CPU kernel (see the module
+    docstring); layers the kernel cannot read are left as they are."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    clone = copy.deepcopy(model, memo)
+    fused: set[int] = set()
+    for module in list(clone.modules()):  # groups first, so that their layers are still the original ones
+        for name, child in list(module.named_children()):
+            if isinstance(child, LinearGroup) and _fusable(layers := child.layers()):
+                setattr(module, name, MatvecLinear(layers, group=True))
+                fused.update(id(layer) for layer in layers)
+    for module in list(clone.modules()):
+        for name, child in list(module.named_children()):
+            if id(child) not in fused and can_matvec(child):
+                setattr(module, name, MatvecLinear([child]))
+    return clone

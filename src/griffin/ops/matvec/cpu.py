@@ -1,0 +1,274 @@
+"""The weight matmuls of a decode step on CPU, read at memory bandwidth (Section 5.1), in numba.
+
+At a few rows (the batch of a decode step) ``x W^T`` is bound by reading W once: a 1-3B model reads 1-6 GB per
+token, while the arithmetic is a few multiply-adds per weight. The kernel streams each weight row once from memory
+in its stored format (float32, bfloat16 as its 16 bits, or int8 with float32 scales per group of inputs,
+:mod:`griffin.ops.matvec.reference`), widens it to float32 in registers and multiplies it with every input row
+while it is in the L1 cache: two weight rows against up to four input rows at a time, eight float32 accumulators
+that LLVM vectorises over the inputs (AVX2/AVX-512). Output rows are split among the threads in tiles of
+:data:`TILE` rows; several matrices that read the same input (attention's q/k/v, the MLP's two branches) are one
+call, one parallel region over the tiles of all of them, with no copy of the weights.
+
+Numerics: float32 products and sums (reassociated: the order differs from ``F.linear``'s by rounding only), then
+the scale of each group, the bias, and the cast to the output dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import prange, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+from torch import Tensor
+
+TILE = 16  # output rows per task
+SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+@intrinsic
+def _float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 whose IEEE-754 bits are the uint32 ``bits`` (an LLVM bitcast)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def widen(v):  # type: ignore[no-untyped-def]
+    """A stored weight as float32: bfloat16 (its bits as uint16) shifted into the high half, int8 converted."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+@overload(widen, inline="always")
+def _widen(v):  # type: ignore[no-untyped-def]
+    if v == types.uint16:
+        return lambda v: _float32_from_bits(np.uint32(v) << np.uint32(16))
+    if v in (types.int8, types.float32):
+        return lambda v: np.float32(v)
+    raise TypingError(f"matvec: no widening for weights of type {v}")
+
+
+@numba.njit(inline="always", fastmath=True)
+def _dot_2x4(x0, x1, x2, x3, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
+    """Dot products of weight rows w0, w1 with input rows x0..x3 over [k0, k1)."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+    for k in range(k0, k1):
+        u = widen(w0[k])
+        v = widen(w1[k])
+        a0 += x0[k] * u
+        a1 += x1[k] * u
+        a2 += x2[k] * u
+        a3 += x3[k] * u
+        b0 += x0[k] * v
+        b1 += x1[k] * v
+        b2 += x2[k] * v
+        b3 += x3[k] * v
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@numba.njit(inline="always", fastmath=True)
+def _dot_2x1(x0, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
+    a0 = b0 = np.float32(0.0)
+    for k in range(k0, k1):
+        a0 += x0[k] * widen(w0[k])
+        b0 += x0[k] * widen(w1[k])
+    return a0, b0
+
+
+@numba.njit(inline="always", fastmath=True)
+def _dot_1x4(x0, x1, x2, x3, w0, k0, k1):  # type: ignore[no-untyped-def]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(k0, k1):
+        u = widen(w0[k])
+        a0 += x0[k] * u
+        a1 += x1[k] * u
+        a2 += x2[k] * u
+        a3 += x3[k] * u
+    return a0, a1, a2, a3
+
+
+@numba.njit(inline="always", fastmath=True)
+def _dot_1x1(x0, w0, k0, k1):  # type: ignore[no-untyped-def]
+    a0 = np.float32(0.0)
+    for k in range(k0, k1):
+        a0 += x0[k] * widen(w0[k])
+    return a0
+
+
+@numba.njit(inline="always", fastmath=True)
+def _row_pair(x, w0, w1, s0, s1, group, out, c, bias0, bias1):  # type: ignore[no-untyped-def]
+    """out[:, c], out[:, c + 1] = x w0^T, x w1^T with the rows' group scales s0, s1 and biases."""
+    batch = x.shape[0]
+    b = 0
+    while b + 4 <= batch:
+        x0, x1, x2, x3 = x[b], x[b + 1], x[b + 2], x[b + 3]
+        a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = np.float32(0.0)
+        for g in range(s0.shape[0]):
+            p = _dot_2x4(x0, x1, x2, x3, w0, w1, g * group, (g + 1) * group)
+            a0 += p[0] * s0[g]
+            a1 += p[1] * s0[g]
+            a2 += p[2] * s0[g]
+            a3 += p[3] * s0[g]
+            c0 += p[4] * s1[g]
+            c1 += p[5] * s1[g]
+            c2 += p[6] * s1[g]
+            c3 += p[7] * s1[g]
+        out[b, c], out[b + 1, c], out[b + 2, c], out[b + 3, c] = a0 + bias0, a1 + bias0, a2 + bias0, a3 + bias0
+        out[b, c + 1], out[b + 1, c + 1], out[b + 2, c + 1], out[b + 3, c + 1] = (c0 + bias1, c1 + bias1,
+                                                                                  c2 + bias1, c3 + bias1)
+        b += 4
+    while b < batch:
+        a0 = c0 = np.float32(0.0)
+        for g in range(s0.shape[0]):
+            p = _dot_2x1(x[b], w0, w1, g * group, (g + 1) * group)
+            a0 += p[0] * s0[g]
+            c0 += p[1] * s1[g]
+        out[b, c], out[b, c + 1] = a0 + bias0, c0 + bias1
+        b += 1
+
+
+@numba.njit(inline="always", fastmath=True)
+def _row(x, w0, s0, group, out, c, bias0):  # type: ignore[no-untyped-def]
+    batch = x.shape[0]
+    b = 0
+    while b + 4 <= batch:
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for g in range(s0.shape[0]):
+            p = _dot_1x4(x[b], x[b + 1], x[b + 2], x[b + 3], w0, g * group, (g + 1) * group)
+            a0 += p[0] * s0[g]
+            a1 += p[1] * s0[g]
+            a2 += p[2] * s0[g]
+            a3 += p[3] * s0[g]
+        out[b, c], out[b + 1, c], out[b + 2, c], out[b + 3, c] = a0 + bias0, a1 + bias0, a2 + bias0, a3 + bias0
+        b += 4
+    while b < batch:
+        a0 = np.float32(0.0)
+        for g in range(s0.shape[0]):
+            a0 += _dot_1x1(x[b], w0, g * group, (g + 1) * group) * s0[g]
+        out[b, c] = a0 + bias0
+        b += 1
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _matvec_kernel(x, weights, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = x W^T per tile: x (B, K) float32; weights a tuple of (N_j, K) matrices of one storage type;
+    tiles (T, 4) int64 rows (matrix j, its first row, the first output column, rows); scale (N, G) float32 and
+    bias (N,) float32 indexed by output column; out (B, N) float32."""
+    K = x.shape[1]
+    group = K // scale.shape[1]
+    for t in prange(tiles.shape[0]):
+        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        w = weights[j]
+        i = 0
+        while i + 2 <= rows:
+            c = c0 + i
+            _row_pair(x, w[r0 + i], w[r0 + i + 1], scale[c], scale[c + 1], group, out, c, bias[c], bias[c + 1])
+            i += 2
+        if i < rows:
+            _row(x, w[r0 + i], scale[c0 + i], group, out, c0 + i, bias[c0 + i])
+
+
+def storage_view(weight: Tensor) -> np.ndarray:
+    """The numpy array the kernel reads (no copy): bfloat16 as its uint16 bits, float32 and int8 as they are."""
+    if weight.dtype not in WEIGHT_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"the CPU matvec kernel reads float32, bfloat16 or int8 CPU matrices, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    w = weight.detach()
+    if not w.is_contiguous():
+        raise ValueError(f"the CPU matvec kernel reads contiguous matrices, got strides {w.stride()}")
+    return (w.view(torch.uint16) if w.dtype == torch.bfloat16 else w).numpy()
+
+
+def padded(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """At least :data:`SLOTS` arrays (the first repeated; no tile refers to the repeats): the kernel's argument is a
+    tuple of fixed length, so numba compiles it once per weight dtype."""
+    return arrays + (arrays[0],) * max(0, SLOTS - len(arrays))
+
+
+def tiles_for(rows: Sequence[int], tile: int = TILE) -> Tensor:
+    """(T, 4) int64 tiles (matrix, first row, first output column, rows) covering matrices of ``rows`` rows."""
+    out, column = [], 0
+    for j, n in enumerate(rows):
+        out += [(j, r, column + r, min(tile, n - r)) for r in range(0, n, tile)]
+        column += n
+    return torch.tensor(out, dtype=torch.int64).reshape(-1, 4)
+
+
+@dataclass
+class MatvecWeights:
+    """Matrices that read one input, prepared once for :func:`matvec_cpu`: their storage views (shared with the
+    tensors), tiles, and the concatenated float32 scales (ones for float weights) and biases (zeros if none)."""
+
+    arrays: tuple[np.ndarray, ...]
+    tiles: np.ndarray
+    scale: np.ndarray
+    bias: np.ndarray
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def prepare(cls, weights: Sequence[Tensor], scales: Sequence[Tensor | None] | None = None,
+                biases: Sequence[Tensor | None] | None = None) -> MatvecWeights:
+        if not weights or len({w.dtype for w in weights}) != 1 or len({w.shape[1] for w in weights}) != 1:
+            raise ValueError("matvec: weights must be one or more matrices of one dtype and one input width, got "
+                             f"{[(w.dtype, tuple(w.shape)) for w in weights]}")
+        arrays = padded(tuple(storage_view(w) for w in weights))
+        K = weights[0].shape[1]
+        quantized = weights[0].dtype == torch.int8
+        scales = list(scales) if scales is not None else [None] * len(weights)
+        biases = list(biases) if biases is not None else [None] * len(weights)
+        if quantized and any(s is None for s in scales):
+            raise ValueError("matvec: int8 weights need their scales")
+        groups = {1 if s is None else s.shape[1] for s in scales}
+        if len(groups) != 1 or K % groups.pop():
+            raise ValueError(f"matvec: the weights' scales must have one group count dividing {K}, got "
+                             f"{[None if s is None else tuple(s.shape) for s in scales]}")
+        scale = torch.cat([torch.ones(w.shape[0], 1) if s is None else s.detach().float().reshape(w.shape[0], -1)
+                           for w, s in zip(weights, scales, strict=True)])
+        bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b.detach().float()
+                          for w, b in zip(weights, biases, strict=True)])
+        return cls(arrays, tiles_for([w.shape[0] for w in weights]).numpy(), scale.contiguous().numpy(),
+                   bias.contiguous().numpy(), K, int(scale.shape[0]))
+
+
+def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x (..., K) times the prepared matrices (transposed), plus biases, concatenated: (..., N) in ``out_dtype``
+    (default x's)."""
+    if x.shape[-1] != prepared.in_features:
+        raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    out = torch.empty(rows.shape[0], prepared.out_features, dtype=torch.float32)
+    if rows.shape[0]:
+        _matvec_kernel(rows.numpy(), prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
+    out = out.reshape(*x.shape[:-1], prepared.out_features)
+    return out.to(out_dtype or x.dtype)
+
+
+# An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the
+# kernel as it is (a plain ``torch.library`` definition, as ``griffin::prepacked_linear``: no per-call checks).
+_LIB = torch.library.Library("griffin", "FRAGMENT")
+_LIB.define("matvec(Tensor x, Tensor[] weights, Tensor tiles, Tensor scale, Tensor bias) -> Tensor")
+
+
+def matvec_op(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
+    """``griffin::matvec``: :func:`matvec_cpu` from tensors (tiles from :func:`tiles_for`; float32 scale (N, G)
+    and bias (N,) concatenated over the matrices), output in x's dtype."""
+    arrays = padded(tuple(storage_view(w) for w in weights))
+    prepared = MatvecWeights(arrays, tiles.numpy(), scale.numpy(), bias.numpy(), int(weights[0].shape[1]),
+                             int(scale.shape[0]))
+    return matvec_cpu(x, prepared)
+
+
+_LIB.impl("matvec", matvec_op, "CPU")
+
+
+@torch.library.register_fake("griffin::matvec", lib=_LIB)
+def _(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], scale.shape[0])
