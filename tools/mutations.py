@@ -132,6 +132,15 @@ MUTATIONS = [
         "a_param.uniform_(min_rad + eps, max_rad + eps)\n        a_param.log_()",
         ("tests/layers/test_layers.py::test_a_init_range",),
     ),
+    Mutation(
+        "tp-kv-grad",
+        "tensor parallelism: the replicated key/value head of MQA is updated with each device's own query heads' "
+        "share of its gradient (the classic bug: no sum over the tp devices)",
+        "src/griffin/parallel/tensor_parallel.py",
+        "        if sum_grads and isinstance(param, DTensor):\n            local = sum_grad(",
+        "        if False:\n            local = sum_grad(",
+        ("tests/parallel/test_parallel.py::test_tp2_and_dp_shard2_equal_one_process_float64",),
+    ),
 ]
 
 

@@ -64,6 +64,15 @@ class TrainConfig:
     loss_chunk: int = _opt(0, "rows of logits at a time in the loss (0: all at once); e.g. 4096 for a large "
                               "vocabulary, whose (tokens, vocab) logits would not fit")
     threads: int = _opt(0, "CPU threads for torch (0: torch's default)")
+    # Scale-out (Section 4.1; docs/distributed.md): under torchrun, dp_replicate x dp_shard x tp = the processes
+    tp: int = _opt(1, "tensor-parallel devices per model replica (Megatron: MLP, recurrent block, attention heads and "
+                      "vocabulary split)")
+    dp_shard: int = _opt(1, "data-parallel devices that shard parameters, gradients and AdamW states (ZeRO-3, FSDP2)")
+    dp_replicate: int = _opt(0, "data-parallel replicas of the (sharded) model; 0: the processes tp and dp_shard "
+                                "leave (with tp = dp_shard = 1: plain DistributedDataParallel, as without these flags)")
+    sequence_parallel: bool = _opt(False, "with tp > 1: split the norms and the residual stream along the sequence")
+    activation_checkpointing: bool = _opt(False, "recompute each residual block in the backward pass (less memory)")
+    cpu_offload: bool = _opt(False, "with dp_shard or dp_replicate > 1: keep FSDP's sharded state in CPU memory")
     # Evaluation, logging, checkpoints
     eval_interval: int = _opt(50, "evaluate on the validation split every N steps (and at the end)")
     eval_batches: int = _opt(8, "validation batches per evaluation (fixed, the same each time)")
@@ -102,7 +111,10 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
-        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens", "loss_chunk"):
+        for key in ("tp", "dp_shard"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
+        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens", "loss_chunk", "dp_replicate"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         if not self.lr > 0:

@@ -20,6 +20,7 @@ class Distributed:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    tp: int = 1  # tensor-parallel ranks per model replica (griffin.training.layout): they share their batches
 
     @property
     def enabled(self) -> bool:
@@ -29,11 +30,23 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own batches."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum of ``value`` over all ranks (``value`` itself on one process)."""
+        """The sum of ``value`` over the data-parallel ranks (``value`` itself on one process); the tp ranks of a
+        replica hold the same value, counted once."""
         if self.enabled:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            if self.tp > 1:
+                value = value / self.tp if value.is_floating_point() else value // self.tp
         return value
 
     def barrier(self) -> None:

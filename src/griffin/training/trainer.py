@@ -8,6 +8,7 @@ events, plots the loss curves and prints a sample. ``griffin train`` is its comm
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -35,6 +36,8 @@ from griffin.training.checkpoint import (
 )
 from griffin.training.config import TrainConfig
 from griffin.training.distributed import init_distributed
+from griffin.training.layout import Layout, even_share, load_any, translate_loader_state, wants_layout
+from griffin.training.source import BatchSource
 
 
 class TrainingError(RuntimeError):
@@ -149,9 +152,12 @@ class TrainResult:
 
 # The trainer ------------------------------------------------------------------------------------------------
 class Trainer:
-    """Owns model, optimizer, data and logs of one run; :meth:`run` trains until ``max_steps``."""
+    """Owns model, optimizer, data and logs of one run; :meth:`run` trains until ``max_steps``.
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    The batches come from ``cfg.data`` (a prepared dataset, or files prepared into ``OUT/data``) or, given
+    ``source``, from that :class:`~griffin.training.source.BatchSource` (``cfg.data`` is then unused)."""
+
+    def __init__(self, cfg: TrainConfig, source: BatchSource | None = None) -> None:
         from griffin.data import PackedLoader, eval_batches, load_dataset_tokenizer, load_meta, unigram_loss
         from griffin.flops import peak_flops, training_flops_per_token
 
@@ -169,39 +175,50 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
 
-        # Data first: every bad input is refused before a model is built. Rank 0 prepares, the others reuse.
-        if self.dist.is_main:
-            self.data_dir = prepare_data(cfg, self.out)
-        self.dist.barrier()
-        if not self.dist.is_main:
-            self.data_dir = prepare_data(cfg, self.out)
-        self.meta = load_meta(self.data_dir)
+        self.source = source
+        self.eval_metrics: dict[str, float] = {}  # the source's metrics of the last evaluation
+        if source is not None:
+            self._use_source(source)
+        else:  # Data first: every bad input is refused before a model is built. Rank 0 prepares, the others reuse.
+            if self.dist.is_main:
+                self.data_dir = prepare_data(cfg, self.out)
+            self.dist.barrier()
+            if not self.dist.is_main:
+                self.data_dir = prepare_data(cfg, self.out)
+            self.meta = load_meta(self.data_dir)
+            self.data_line = (f"data {self.data_dir} ({self.meta['splits']['train']['tokens']:,} train tokens, "
+                              f"vocab {self.meta['vocab_size']})")
         self.model_config = cfg.model_config(self.meta["vocab_size"])
         if self.model_config.vocab_size < self.meta["vocab_size"]:
             raise ValueError(f"model vocab_size={self.model_config.vocab_size} is smaller than the data's "
                              f"tokenizer ({self.meta['vocab_size']} tokens)")
-        rank, world = self.dist.rank, self.dist.world_size
-        self.loader = PackedLoader(self.data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=rank,
-                                   world_size=world)
-        val = eval_batches(self.data_dir, "val", cfg.seq_len, cfg.batch_size, cfg.eval_batches)
-        self.val_batches = val[rank::world]
-        self.unigram = unigram_loss(self.data_dir)
-        tok = self.meta["tokenizer"]
-        self.tokenizer_file = None if tok == "bytes" else self.data_dir / tok
-        self.tokenizer = load_dataset_tokenizer(self.data_dir)
+        self.layout = self._layout(cfg, source)
+        if source is None:
+            rank, world = self.dist.dp_rank, self.dist.dp_size
+            self.loader = PackedLoader(self.data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed,
+                                       rank=rank, world_size=world)
+            val = eval_batches(self.data_dir, "val", cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+            self.val_batches = val[rank::world] if self.layout is None else even_share(val, rank, world)
+            self.unigram = unigram_loss(self.data_dir)
+            tok = self.meta["tokenizer"]
+            self.tokenizer_file = None if tok == "bytes" else self.data_dir / tok
+            self.tokenizer = load_dataset_tokenizer(self.data_dir)
 
         torch.manual_seed(cfg.seed)
-        self.model = CausalLM(self.model_config).to(self.device)
+        if self.layout is not None:  # split and sharded over the mesh (griffin.training.layout)
+            self.model = self.layout.build_model(self.model_config, self.device, cfg.seed)
+        else:
+            self.model = CausalLM(self.model_config).to(self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg)
         self.ddp = None
-        if self.dist.enabled:
+        if self.dist.enabled and self.layout is None:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
         wrapped = self.ddp or self.model
-        self.forward = torch.compile(wrapped) if cfg.compile else wrapped
+        self.forward = torch.compile(wrapped) if cfg.compile and self.layout is None else wrapped
         self.flops_per_token = training_flops_per_token(self.model_config, cfg.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.autocast or torch.float32)
 
@@ -212,15 +229,34 @@ class Trainer:
         self.skipped = 0
         resume_from = self._resume_path()
         if resume_from is not None:
-            state = load_checkpoint(resume_from, self.model, self.optimizer)
+            state = load_any(resume_from, self.model, self.optimizer, self.layout, load_checkpoint,
+                             lambda model: build_optimizer(model, cfg))
             self._check_resumable(state, resume_from)
             self.step, self.tokens = state["step"], state["tokens"]
             self.best_val, self.best_step = state["best_val_loss"], state["best_step"]
-            self.loader.load_state_dict(state["loader"])
+            loader_state = state["loader"]
+            if source is None:  # saved on another number of data-parallel ranks: the same global position
+                loader_state = translate_loader_state(loader_state, cfg.batch_size, self.dist.dp_size,
+                                                      self.loader.windows_per_rank)
+            self.loader.load_state_dict(loader_state)
         self.resumed_from = resume_from
         self.log = JsonLog(self.out / "log.jsonl", self.step if resume_from else None) if self.dist.is_main else None
         self.writer = self._tensorboard() if self.dist.is_main else None
         self._bar = None
+
+    def _use_source(self, source: BatchSource) -> None:
+        """Take batches, held-out metrics and the baseline from ``source`` instead of a prepared dataset."""
+        if not isinstance(source, BatchSource):
+            raise TypeError(f"source must implement griffin.training.source.BatchSource, got {type(source).__name__}")
+        if self.dist.enabled:
+            raise ValueError("a BatchSource trains in one process; data parallelism needs a prepared dataset")
+        self.data_dir = None
+        self.meta = {"vocab_size": int(source.vocab_size), "tokenizer": None}
+        self.data_line = f"data {source.description} (vocab {source.vocab_size})"
+        self.loader = source
+        self.val_batches = []
+        self.unigram = float(source.baseline_loss)
+        self.tokenizer_file = self.tokenizer = None
 
     # Resume --------------------------------------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
@@ -234,12 +270,37 @@ class Trainer:
             return path
         return Path(self.cfg.resume)
 
+    def _layout(self, cfg: TrainConfig, source: BatchSource | None) -> Layout | None:
+        """The device mesh of a tensor-parallel or sharded run (None: one process, or plain data parallelism)."""
+        if not wants_layout(cfg):
+            if cfg.dp_replicate not in (0, self.dist.world_size):
+                raise ValueError(f"dp_replicate={cfg.dp_replicate} with tp=1 and dp_shard=1 must equal the world size "
+                                 f"{self.dist.world_size}")
+            extras = [k for k in ("sequence_parallel", "activation_checkpointing", "cpu_offload") if getattr(cfg, k)]
+            if extras:
+                raise ValueError(f"{', '.join(extras)} apply to a layout with tp > 1 or dp_shard > 1")
+            return None
+        if source is not None:
+            raise ValueError("a BatchSource trains in one process; tp and dp_shard need a prepared dataset")
+        layout = Layout.create(cfg, self.dist.rank, self.dist.world_size, self.device, self.autocast,
+                               self.model_config)
+        self.dist = dataclasses.replace(self.dist, tp=layout.dims.tp)
+        if not layout.autocast:  # FSDP's mixed-precision policy computes in bf16 instead
+            self.autocast = None
+        return layout
+
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
         saved = state.get("config", {})
-        for key in ("seq_len", "batch_size", "grad_accum", "seed"):
+        for key in ("seq_len", "grad_accum", "seed"):
             if key in saved and saved[key] != getattr(self.cfg, key):
                 raise CheckpointError(f"cannot resume from {path}: it was trained with {key}={saved[key]}, "
                                       f"this run has {key}={getattr(self.cfg, key)}")
+        # the global batch must match; its split over data-parallel ranks may change (another layout)
+        ranks = state.get("loader", {}).get("world_size", 1) if self.source is None else 1
+        if "batch_size" in saved and saved["batch_size"] * ranks != self.cfg.batch_size * self.dist.dp_size:
+            raise CheckpointError(f"cannot resume from {path}: it was trained with batch_size={saved['batch_size']} "
+                                  f"on {ranks} data-parallel ranks, this run has batch_size={self.cfg.batch_size} on "
+                                  f"{self.dist.dp_size} (the sequences per step must stay the same)")
 
     def _tensorboard(self):
         if not self.cfg.tensorboard:
@@ -271,7 +332,7 @@ class Trainer:
         local = sum(int((b.targets != IGNORE_INDEX).sum()) for b in batches)
         count = max(int(self.dist.sum(torch.tensor(local, device=self.device))), 1)
         # DDP averages gradients over ranks, so each rank scales its sum by world_size / (targets on all ranks).
-        scale = self.dist.world_size / count
+        scale = self.dist.dp_size / count
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             sync = self.ddp is None or i == len(batches) - 1
@@ -281,7 +342,10 @@ class Trainer:
             total += loss.detach()
         loss = self.dist.sum(total) / count
         clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.layout is not None:  # the norm of the whole gradient across the shards
+            grad_norm = self.layout.clip(self.model, clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         lr = learning_rate(self.step, cfg)
         loss_value, norm_value = float(loss), float(grad_norm)
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
@@ -294,7 +358,7 @@ class Trainer:
         if not finite:
             self._non_finite(loss_value, norm_value)
         self.step += 1
-        self.tokens += sum(b.input_ids.numel() for b in batches) * self.dist.world_size
+        self.tokens += sum(b.input_ids.numel() for b in batches) * self.dist.dp_size
         return {"loss": loss_value, "grad_norm": norm_value, "lr": lr, "skipped": not finite}
 
     def _non_finite(self, loss: float, norm: float) -> None:
@@ -311,8 +375,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss per target token over the fixed validation batches."""
+        """Mean loss per target token over the fixed validation batches (with a source: its ``val_loss``, and its
+        other metrics in ``eval_metrics``)."""
         self.model.eval()
+        if self.source is not None:
+            try:
+                with self._autocast():
+                    metrics = {k: float(v) for k, v in self.source.evaluate(self.model).items()}
+            finally:
+                self.model.train()
+            if "val_loss" not in metrics:
+                raise ValueError(f"{type(self.source).__name__}.evaluate returned no 'val_loss': {sorted(metrics)}")
+            self.eval_metrics = {k: v for k, v in metrics.items() if k != "val_loss"}
+            return metrics["val_loss"]
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in self.val_batches:
             loss, n = self._loss_sum(batch)
@@ -327,14 +402,20 @@ class Trainer:
             self.best_val, self.best_step = val_loss, self.step
         state = {"tokens": self.tokens, "val_loss": val_loss, "best_val_loss": self.best_val,
                  "best_step": self.best_step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
-                 "data": str(self.data_dir), "tokenizer": self.meta["tokenizer"]}
+                 "data": str(self.data_dir) if self.source is None else self.source.description,
+                 "tokenizer": self.meta["tokenizer"]}
         extra = {}
         if self.tokenizer_file is not None:
             name = "tokenizer.model" if self.tokenizer_file.suffix == ".model" else "tokenizer.json"
             extra[name] = self.tokenizer_file
         path = step_dir(self.ckpt_root, self.step)
+        if self.layout is not None:  # every rank writes its shards; the step appears once all have
+            self.layout.save(path, self.model, self.optimizer, {**state, "step": self.step}, extra)
         if self.dist.is_main:  # every rank holds the same weights and optimizer state
-            save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra)
+            if self.layout is None:
+                save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra)
+            else:
+                set_link(self.ckpt_root, "latest", path)
             best = step_dir(self.ckpt_root, self.best_step)
             if best.is_dir():
                 set_link(self.ckpt_root, "best", best)
@@ -365,11 +446,12 @@ class Trainer:
         n_params = self.model.num_parameters()
         self._print(f"griffin train: {self.model_config.family} {n_params:,} parameters "
                     f"({self.model_config.depth} blocks, width {self.model_config.width}) on {self.device}"
-                    f"{', bf16 autocast' if self.autocast else ', fp32'}; data {self.data_dir} "
-                    f"({self.meta['splits']['train']['tokens']:,} train tokens, vocab {self.meta['vocab_size']}); "
+                    f"{', bf16 autocast' if self.autocast else ', fp32'}; {self.data_line}; "
                     f"unigram baseline {self.unigram:.3f} nats/token; {self.flops_per_token / 1e6:.1f} MFLOPs per "
                     f"training token, MFU against {self.peak_flops / 1e9:,.0f} GFLOP/s ({self.peak_source})")
-        if self.dist.enabled:
+        if self.layout is not None:
+            self._print(self.layout.describe(cfg.batch_size))
+        elif self.dist.enabled:
             self._print(f"data parallel over {self.dist.world_size} processes ({cfg.batch_size} sequences each)")
         if self.resumed_from:
             self._print(f"resumed from {self.resumed_from} at step {self.step}")
@@ -384,7 +466,7 @@ class Trainer:
         try:
             if self.step == 0:  # the starting point of the validation curve
                 val_loss = self.evaluate()
-                self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+                self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics)
             window_start, window_tokens = time.perf_counter(), self.tokens
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
@@ -405,9 +487,10 @@ class Trainer:
                 is_ckpt = self.step % cfg.ckpt_interval == 0 or self.step == cfg.max_steps
                 if self.step % cfg.eval_interval == 0 or is_ckpt:
                     val_loss = self.evaluate()
-                    self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)))
+                    self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics)
                     mfu = rate * self.flops_per_token / self.peak_flops
-                    self._print(f"step {self.step:>6}: val loss {val_loss:.4f} (unigram {self.unigram:.4f}), "
+                    extra = "".join(f", {k} {v:.4f}" for k, v in self.eval_metrics.items())
+                    self._print(f"step {self.step:>6}: val loss {val_loss:.4f} (unigram {self.unigram:.4f}){extra}, "
                                 f"train loss {metrics['loss']:.4f}, {rate:,.0f} tokens/s, MFU {mfu:.1%}")
                 if is_ckpt:
                     last_ckpt = self.save(val_loss)
@@ -422,25 +505,29 @@ class Trainer:
             last_ckpt = find_resumable(self.ckpt_root)
             val_loss = self.evaluate()
         history, sample = [], ""
+        # a laid-out model is gathered whole on rank 0 to sample from (a collective: every rank takes part)
+        whole = self.layout.gather(self.model) if self.layout is not None and self.cfg.sample_tokens else None
         if self.dist.is_main:
             history = self.log.records()
             plot_losses(history, self.unigram, self.out / "loss.png")
-            sample = self.sample()
+            sample = self.sample(whole)
             self._record("end", val_loss=val_loss, best_val_loss=self.best_val, sample=sample)
         return TrainResult(self.step, val_loss, self.best_val, self.unigram, rate, self.out, last_ckpt, sample,
                            history)
 
-    def sample(self) -> str:
-        """A continuation of ``sample_prompt`` from the trained model (seeded, so it is reproducible)."""
-        if not self.cfg.sample_tokens or not self.cfg.sample_prompt:
+    def sample(self, model: CausalLM | None = None) -> str:
+        """A continuation of ``sample_prompt`` from the trained model (seeded, so it is reproducible); ``model``:
+        the whole model gathered from a laid-out run."""
+        if not self.cfg.sample_tokens or not self.cfg.sample_prompt or self.tokenizer is None:
             return ""
         tokenizer = self.tokenizer
         ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(self.cfg.sample_prompt)
-        self.model.eval()
-        out = generate(self.model, torch.tensor([ids], device=self.device), self.cfg.sample_tokens,
+        model = self.model if model is None else model.to(self.device)
+        model.eval()
+        out = generate(model, torch.tensor([ids], device=self.device), self.cfg.sample_tokens,
                        temperature=self.cfg.sample_temperature, seed=self.cfg.seed,
                        stop_tokens=[tokenizer.eos_id] if tokenizer.eos_id is not None else ())
-        self.model.train()
+        model.train()
         text = self.cfg.sample_prompt + tokenizer.decode(out[0])
         (self.out / "sample.txt").write_text(text.encode("utf-8", "replace").decode("utf-8"))
         return text

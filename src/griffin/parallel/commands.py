@@ -1,0 +1,69 @@
+"""``griffin plan``: the cluster planner on the command line (:mod:`griffin.parallel.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from griffin.config import PRESETS, ModelConfig
+from griffin.io import write_json
+from griffin.parallel.plan import GPUS, Layout, describe, estimate, format_plan, plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; see `griffin presets`")
+    config = ModelConfig.from_preset(args.preset)
+    gpu = GPUS[args.gpu]
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be positive")
+    if args.tp or args.dp_shard or args.dp_replicate:  # one layout, in detail
+        tp, dp_shard = args.tp or 1, args.dp_shard or 1
+        if args.gpus % (tp * dp_shard):
+            raise ValueError(f"tp={tp} × dp_shard={dp_shard} does not divide --gpus {args.gpus}")
+        replicate = args.dp_replicate or args.gpus // (tp * dp_shard)
+        if replicate * dp_shard * tp != args.gpus:
+            raise ValueError(f"dp_replicate={replicate} × dp_shard={dp_shard} × tp={tp} = "
+                             f"{replicate * dp_shard * tp}, not --gpus {args.gpus}")
+        layout = Layout(replicate, dp_shard, tp, args.micro_batch, args.activation_checkpointing,
+                        args.sequence_parallel, args.cpu_offload)
+        estimates = [estimate(config, gpu, layout, args.seq_len, args.global_batch, args.loss_chunk)]
+        e = estimates[0]
+        print(f"{args.preset} on {args.gpus} x {gpu.name}: {describe(e)}; {'fits' if e.fits else 'does NOT fit'}")
+        print("  memory per GPU: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in e.memory.items()))
+        print("  communication per GPU per step: " + ", ".join(f"{k} {v / 1e9:.1f} GB"
+                                                             for k, v in e.communication.items()))
+        print("  time per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in e.time.items()))
+    else:
+        estimates = plan(config, args.gpus, gpu, args.seq_len, args.global_batch, args.loss_chunk)
+        print(format_plan(config, estimates, gpu, args.gpus, args.seq_len, args.global_batch, args.top))
+    if args.json:
+        write_json(Path(args.json), {"preset": args.preset, "gpus": args.gpus, "gpu": args.gpu,
+                                     "seq_len": args.seq_len, "global_batch": args.global_batch,
+                                     "estimates": [json.loads(json.dumps(e.to_dict())) for e in estimates]})
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="the cluster planner: memory, communication, step time and MFU of each layout of "
+                       "a model on N GPUs (docs/distributed.md)")
+    p.add_argument("preset", help="a model preset, e.g. griffin-7b, hawk-14b, recurrentgemma-9b (`griffin presets`)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU kind (default: h100)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048, the paper's)")
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default: 1024)")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="rows of logits at a time in the loss (0: all)")
+    p.add_argument("--top", type=int, default=12, help="layouts shown (default: 12)")
+    p.add_argument("--tp", type=int, default=0, help="evaluate this layout only (with --dp-shard, --dp-replicate)")
+    p.add_argument("--dp-shard", type=int, default=0)
+    p.add_argument("--dp-replicate", type=int, default=0)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (one layout)")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--json", metavar="PATH", help="also write every estimate as JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+__all__ = ["add_plan_parser", "cmd_plan"]
