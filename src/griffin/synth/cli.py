@@ -1,0 +1,150 @@
+"""The ``griffin synth`` command line: ``griffin synth TASK``, ``griffin synth eval DIR``, ``griffin synth compare
+TASK`` (Section 6.2). :func:`add_synth_parser` adds it to the ``griffin`` parser."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from griffin.config import FAMILIES
+from griffin.synth.tasks import TASKS, make_task
+
+ALIASES = {name: [name.replace("_", "-")] if "_" in name else [] for name in TASKS}
+
+
+def _task_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("task (defaults: the paper's / Zoology's settings)")
+    g.add_argument("--seq-len", type=int, help="training sequence length (1024 / 256 / 256)")
+    g.add_argument("--vocab-size", type=int, help="vocabulary (16 / 16 / 8192)")
+    g.add_argument("--num-data", type=int, help="selective copying: data tokens to copy (16)")
+    g.add_argument("--num-pairs", type=int, help="mqar: key-value pairs (64)")
+    g.add_argument("--power-a", type=float, help="mqar: power law of the query gaps (0.01)")
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training (defaults: the task's CPU budget, see docs/experiments.md)")
+    g.add_argument("--steps", type=int, help="optimizer steps")
+    g.add_argument("--batch", type=int, dest="batch_size", help="sequences per step")
+    g.add_argument("--lr", type=float, help="peak learning rate (AdamW, warm-up then cosine decay)")
+    g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default: min(50, steps / 10))")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the training stream")
+    g.add_argument("--eval-every", type=int, help="evaluate on the fixed held-out set every N steps")
+    g.add_argument("--eval-sequences", type=int, help="sequences in the held-out set")
+    g.add_argument("--window", type=int, help="Griffin's local-attention window (512 / 128 / 128)")
+    g.add_argument("--model", action="append", metavar="KEY=VALUE",
+                   help="ModelConfig fields overriding the preset, e.g. width=128 (repeatable)")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="TensorBoard events in OUT/tensorboard")
+
+
+def _length_options(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", required=required, metavar="T",
+                   help="evaluation sequence lengths, e.g. 256 1024 4096 65536")
+    p.add_argument("--sequences", type=int, default=32, help="held-out sequences per length (default 32)")
+    p.add_argument("--eval-batch", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--chunk-size", type=int, default=1024,
+                   help="tokens per chunk of the cached forward: bounds the memory of Hawk and Griffin (default 1024)")
+
+
+def _task(args: argparse.Namespace, name: str):
+    return make_task(name, seq_len=args.seq_len, vocab_size=args.vocab_size, num_data=args.num_data,
+                     num_pairs=args.num_pairs, power_a=args.power_a)
+
+
+def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from griffin.training.config import parse_model_override
+
+    model = dict(parse_model_override(item) for item in args.model or [])
+    return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
+                eval_sequences=args.eval_sequences, window=args.window, model=model)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from griffin.synth.train import train_task
+
+    task = _task(args, args.task)
+    result = train_task(task, args.family, args.out, resume=args.resume, progress=args.progress,
+                        tensorboard=args.tensorboard, threads=args.threads, **_train_kwargs(args))
+    print(f"\n{args.family} on {task}: held-out accuracy {result.accuracy:.4f} "
+          f"(perfect sequences {result.perfect:.4f}) after {result.steps} steps; 90% at step {result.steps_to_90}, "
+          f"99% at step {result.steps_to_99}; {result.wall_s:.0f} s")
+    print(f"model + task: {args.out} (griffin synth eval {args.out} --lengths ...)   curve: "
+          f"{Path(args.out) / 'accuracy.png'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from griffin.io import write_json
+    from griffin.synth.evaluate import evaluate_lengths, load_run
+
+    model, task = load_run(args.dir)
+    results = evaluate_lengths(model, task, args.lengths, sequences=args.sequences, batch_size=args.eval_batch,
+                               chunk_size=args.chunk_size, progress=args.progress)
+    print(f"{model.config.family} on {task} (trained at {task.seq_len}):")
+    print("| length | accuracy | perfect sequences | loss | seconds |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['length']:,} | {r['accuracy']:.4f} | {r['perfect']:.4f} | {r['val_loss']:.4f} | "
+              f"{r['seconds']:.1f} |")
+    out = Path(args.out) if args.out else Path(args.dir) / "lengths.json"
+    write_json(out, {"task": task.to_dict(), "family": model.config.family, "lengths": results})
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from griffin.synth.compare import compare
+
+    task = _task(args, args.task)
+    lengths = args.lengths
+    if lengths is None and task.name == "induction_heads":
+        from griffin.synth.evaluate import default_lengths
+
+        lengths = default_lengths(task)
+    summary = compare(task, args.out, args.families, lengths=lengths or (),
+                      attention_max_length=args.attention_max_length, eval_length_sequences=args.sequences,
+                      eval_batch_size=args.eval_batch, chunk_size=args.chunk_size, progress=args.progress,
+                      tensorboard=args.tensorboard, threads=args.threads, **_train_kwargs(args))
+    print((Path(args.out) / "table.md").read_text())
+    print(f"wrote {args.out}/accuracy.png" + (f", {args.out}/lengths.png" if summary["lengths"] else "")
+          + ", compare.json, table.md")
+    return 0
+
+
+def add_synth_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``griffin synth`` and its sub-commands to the ``griffin`` parser's sub-commands."""
+    p = sub.add_parser("synth", help="copy and retrieval tasks trained from scratch (Section 6.2): selective "
+                       "copying, induction heads, MQAR", description=__doc__)
+    actions = p.add_subparsers(dest="synth_command", required=True, metavar="{TASK,eval,compare}")
+    for name in TASKS:
+        t = actions.add_parser(name, aliases=ALIASES[name], help=f"train one family on {name}")
+        t.add_argument("--family", choices=FAMILIES, default="griffin", help="model family (default griffin)")
+        t.add_argument("--out", required=True, help="run directory: checkpoints, logs, the final model, task.json")
+        t.add_argument("--resume", action="store_true", help="continue the run in OUT from its newest checkpoint")
+        _task_options(t)
+        _train_options(t)
+        t.set_defaults(func=cmd_train, task=name)
+
+    e = actions.add_parser("eval", help="accuracy of a trained run at other sequence lengths")
+    e.add_argument("dir", help="a `griffin synth` run directory (model + task.json)")
+    _length_options(e, required=True)
+    e.add_argument("--out", help="JSON of the results (default DIR/lengths.json)")
+    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    e.set_defaults(func=cmd_eval)
+
+    c = actions.add_parser("compare", help="the three families with the same budget and seeds: Figure 6a/6b plots "
+                           "and a table")
+    c.add_argument("task", type=lambda name: name.replace("-", "_"), choices=sorted(TASKS), help="the task")
+    c.add_argument("--out", required=True, help="output directory (one run directory per family, plots, table)")
+    c.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to compare")
+    _task_options(c)
+    _train_options(c)
+    _length_options(c, required=False)  # induction heads: 256, 512, ..., 65536 unless given
+    c.add_argument("--attention-max-length", type=int, default=8192,
+                   help="evaluate global attention (MQA) up to this length only: its cost grows with the square of "
+                        "the length (default 8192)")
+    c.set_defaults(func=cmd_compare)

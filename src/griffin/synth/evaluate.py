@@ -1,0 +1,186 @@
+"""Accuracy on a task's answers (Section 6.2, Figure 6): at the training length, and at other lengths through the
+chunked forward with a cache, whose memory does not grow with the length for Hawk and Griffin.
+
+Accuracy is the fraction of target positions whose most likely token (over the whole vocabulary) is the target;
+``perfect`` is the fraction of sequences with every target right (selective copying: all 16 data tokens copied;
+induction heads has one target per sequence, so both are the same).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from griffin.data import Batch
+from griffin.interop import load_pretrained
+from griffin.model import CausalLM
+from griffin.ops.cross_entropy import IGNORE_INDEX
+from griffin.synth.tasks import Task, task_from_dict
+
+EVAL_SEED = 1234  # the held-out sequences are the same for every run of a task, whatever its training seed
+TASK_FILE = "task.json"
+ATTENTION_ELEMENTS = 1 << 25  # bound on the elements of a chunk's attention scores (global attention)
+
+
+def held_out(task: Task, sequences: int, batch_size: int, seed: int = EVAL_SEED) -> list[Batch]:
+    """A fixed held-out set: ``sequences`` sequences of ``task`` in batches of ``batch_size`` (the last may be
+    smaller), drawn from a stream of their own (``[seed, 1, seq_len]``; training draws from ``[seed, 0, step]``)."""
+    if sequences < 1 or batch_size < 1:
+        raise ValueError(f"sequences={sequences} and batch_size={batch_size} must be positive")
+    rng = np.random.default_rng([seed, 1, task.seq_len])
+    return [task.sample(min(batch_size, sequences - s), rng) for s in range(0, sequences, batch_size)]
+
+
+def answer_logits_ref(model: CausalLM, input_ids: Tensor, targets: Tensor) -> Tensor:
+    """The logits (answers, vocab) at the target positions, in (row, position) order: one plain forward."""
+    return model(input_ids)[targets != IGNORE_INDEX]
+
+
+def chunk_length(model: CausalLM, batch_size: int, seq_len: int, chunk_size: int) -> int:
+    """Tokens per chunk: ``chunk_size``, smaller where global attention's scores over the whole sequence would
+    exceed ``ATTENTION_ELEMENTS``."""
+    if "attention" in model.config.block_types:
+        per_query = batch_size * model.config.num_heads * seq_len
+        chunk_size = min(chunk_size, max(16, ATTENTION_ELEMENTS // per_query))
+    return max(1, chunk_size)
+
+
+def answer_logits(model: CausalLM, input_ids: Tensor, targets: Tensor, chunk_size: int = 1024) -> Tensor:
+    """:func:`answer_logits_ref` in chunks of at most ``chunk_size`` tokens continuing a cache: for Hawk and Griffin
+    the memory is that of one chunk and the fixed-size state, whatever the length (global attention keeps a KV cache
+    of the whole sequence). Only the logits from each chunk's first target position on are computed."""
+    B, T = input_ids.shape
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"targets {tuple(targets.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+    chunk = chunk_length(model, B, T, chunk_size)
+    device = model.device
+    input_ids, targets = input_ids.to(device), targets.to(device)
+    cache = None
+    if T > chunk:
+        cache = model.init_cache(B, T if "attention" in model.config.block_types else None)
+    rows, cols, logits = [], [], []
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        mask = targets[:, start:end] != IGNORE_INDEX
+        hit = mask.any(0).nonzero()
+        first = int(hit[0]) if len(hit) else end - start - 1  # no target here: one position to keep, unused
+        out = model(input_ids[:, start:end], cache=cache, logits_to_keep=end - start - first)
+        if len(hit):
+            r, c = mask[:, first:].nonzero(as_tuple=True)
+            rows.append(r)
+            cols.append(c + start + first)
+            logits.append(out[r, c])
+    if not logits:
+        return input_ids.new_zeros((0, model.config.vocab_size), dtype=torch.float32)
+    rows_, cols_ = torch.cat(rows), torch.cat(cols)
+    order = torch.argsort(rows_ * T + cols_)
+    return torch.cat(logits)[order]
+
+
+class Tally:
+    """Sums of loss, correct answers and perfect sequences over batches."""
+
+    def __init__(self) -> None:
+        self.loss = self.correct = self.answers = self.perfect = self.sequences = 0.0
+
+    def add(self, logits: Tensor, targets: Tensor) -> None:
+        """``logits`` (answers, vocab) at the positions of ``targets`` != -100 (B, T), in (row, position) order."""
+        mask = targets != IGNORE_INDEX
+        answer = targets[mask].to(logits.device)
+        right = logits.argmax(-1) == answer
+        self.loss += float(F.cross_entropy(logits.float(), answer, reduction="sum"))
+        self.correct += float(right.sum())
+        self.answers += len(answer)
+        rows = mask.nonzero()[:, 0].to(logits.device)
+        wrong = torch.zeros(targets.shape[0], device=logits.device).index_add_(0, rows, (~right).float())
+        self.perfect += float((wrong == 0).sum())
+        self.sequences += targets.shape[0]
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.answers, 1.0)
+        return {"val_loss": self.loss / n, "accuracy": self.correct / n,
+                "perfect": self.perfect / max(self.sequences, 1.0)}
+
+
+@torch.no_grad()
+def score(model: CausalLM, batches: Sequence[Batch], chunk_size: int = 1 << 30) -> dict[str, float]:
+    """Mean loss per target (``val_loss``), accuracy and the fraction of perfect sequences over ``batches``."""
+    was_training = model.training
+    model.eval()
+    tally = Tally()
+    try:
+        for batch in batches:
+            tally.add(answer_logits(model, batch.input_ids, batch.targets, chunk_size), batch.targets)
+    finally:
+        model.train(was_training)
+    return tally.metrics()
+
+
+def evaluate_lengths(model: CausalLM, task: Task, lengths: Sequence[int], sequences: int = 64, batch_size: int = 16,
+                     chunk_size: int = 1024, seed: int = EVAL_SEED, progress: bool = True) -> list[dict[str, Any]]:
+    """Accuracy of ``model`` on ``task`` at each sequence length (Figure 6b): ``sequences`` fresh held-out sequences
+    per length, through the chunked forward (:func:`answer_logits`)."""
+    if not lengths:
+        raise ValueError("give at least one evaluation length")
+    tasks = [task.with_length(int(n)) for n in lengths]  # every length checked before anything runs
+    if sequences < 1 or batch_size < 1 or chunk_size < 1:
+        raise ValueError(f"sequences={sequences}, batch_size={batch_size} and chunk_size={chunk_size} must be "
+                         "positive")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sequences * sum(t.seq_len for t in tasks), unit="tok", unit_scale=True, desc="evaluate",
+                   dynamic_ncols=True)
+    results = []
+    try:
+        for t in tasks:
+            start = time.perf_counter()
+            tally = Tally()
+            model.eval()
+            with torch.no_grad():
+                for batch in held_out(t, sequences, batch_size, seed):
+                    tally.add(answer_logits(model, batch.input_ids, batch.targets, chunk_size), batch.targets)
+                    if bar is not None:
+                        bar.update(batch.input_ids.numel())
+            results.append({"length": t.seq_len, **tally.metrics(), "sequences": sequences,
+                            "seconds": time.perf_counter() - start})
+            if bar is not None:
+                m = results[-1]
+                bar.write(f"length {t.seq_len:>8}: accuracy {m['accuracy']:.4f}, perfect {m['perfect']:.4f}, "
+                          f"loss {m['val_loss']:.4f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def load_run(directory: str | Path) -> tuple[CausalLM, Task]:
+    """The model (``load_pretrained``) and the task (``task.json``) of a ``griffin synth`` run directory."""
+    directory = Path(directory)
+    spec = directory / TASK_FILE
+    if not spec.is_file():
+        raise FileNotFoundError(f"{directory} holds no {TASK_FILE}: not a `griffin synth` run directory")
+    try:
+        task = task_from_dict(json.loads(spec.read_text()))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{spec} is not valid JSON: {err}") from None
+    model = load_pretrained(directory)
+    if model.config.vocab_size < task.vocab_size:
+        raise ValueError(f"{directory}: the model has {model.config.vocab_size} tokens, the task {task.vocab_size}")
+    return model, task
+
+
+def default_lengths(task: Task, longest: int = 1 << 16) -> list[int]:
+    """The training length doubled until ``longest``: 256, 512, ..., 65536 for induction heads."""
+    count = max(0, int(math.log2(max(longest, task.seq_len) / task.seq_len)))
+    return [task.seq_len << i for i in range(count + 1)]

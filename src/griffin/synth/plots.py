@@ -1,0 +1,63 @@
+"""The plots of Figure 6a/6b: held-out accuracy against training steps, and against evaluation length (log axis)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from griffin.io import atomic_write
+
+COLORS = {"mqa": "tab:blue", "hawk": "tab:orange", "griffin": "tab:green"}
+LABELS = {"mqa": "MQA Transformer", "hawk": "Hawk", "griffin": "Griffin"}
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+
+
+def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Path, title: str) -> None:
+    """Accuracy on the held-out set against the training step, one line per family (Figure 6a)."""
+    plt, fig, ax = _figure()
+    for name, points in curves.items():
+        if points:
+            steps, acc = zip(*points, strict=True)
+            ax.plot(steps, acc, "o-", ms=3, lw=1.5, label=LABELS.get(name, name), color=COLORS.get(name))
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(plt, fig, path)
+
+
+def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Path, title: str,
+                 train_length: int | None = None) -> None:
+    """Accuracy against the evaluation sequence length on a log axis, one line per family (Figure 6b)."""
+    plt, fig, ax = _figure()
+    for name, points in curves.items():
+        if points:
+            lengths, acc = zip(*points, strict=True)
+            ax.plot(lengths, acc, "o-", ms=4, lw=1.5, label=LABELS.get(name, name), color=COLORS.get(name))
+    if train_length:
+        ax.axvline(train_length, ls="--", color="gray", lw=1, label=f"training length ({train_length})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation sequence length")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(plt, fig, path)

@@ -1,0 +1,126 @@
+"""``griffin synth TASK``: train one family on a synthetic task from scratch (Section 6.2), through the trainer.
+
+The run uses :class:`griffin.training.Trainer` with a :class:`~griffin.synth.source.TaskSource` (AdamW, warm-up and
+cosine decay, clipping, exact-resume checkpoints, ``log.jsonl``, TensorBoard, progress bar) and the
+``{family}-synthetic`` preset (5 blocks, width 64, about 250K parameters; Griffin's local attention is the third
+block) with the task's vocabulary and local-attention window. It ends with the final model in ``DIR``
+(``config.json`` + ``model.safetensors``: ``griffin.load_pretrained(DIR)``), the task's spec in ``DIR/task.json``,
+the accuracy curve in ``DIR/result.json`` and ``DIR/accuracy.png``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from griffin.config import FAMILIES
+from griffin.interop import save_pretrained
+from griffin.io import write_json
+from griffin.synth.evaluate import TASK_FILE
+from griffin.synth.plots import plot_accuracy
+from griffin.synth.source import TaskSource
+from griffin.synth.tasks import Task
+from griffin.training import TrainConfig, Trainer
+
+RESULT_FILE = "result.json"
+
+# The budgets of the CPU runs recorded in docs/experiments.md (minutes per family on 2 cores; there at shorter
+# sequences than the paper's, see there). Every value can be overridden.
+BUDGETS: dict[str, dict[str, Any]] = {
+    "selective_copying": {"steps": 1500, "batch_size": 8, "lr": 3e-3, "eval_every": 100, "eval_sequences": 128},
+    "induction_heads": {"steps": 2000, "batch_size": 32, "lr": 3e-3, "eval_every": 100, "eval_sequences": 256},
+    "mqar": {"steps": 600, "batch_size": 16, "lr": 3e-3, "eval_every": 50, "eval_sequences": 128},
+}
+
+
+@dataclass
+class SynthResult:
+    """What a run reached: the held-out curve, the steps to 90% and 99% accuracy, the final accuracy, the time."""
+
+    task: dict[str, Any]
+    family: str
+    parameters: int
+    steps: int
+    history: list[dict[str, float]]  # one record per evaluation: step, accuracy, perfect, val_loss
+    accuracy: float
+    perfect: float
+    steps_to_90: int | None
+    steps_to_99: int | None
+    wall_s: float
+    generate_s: float
+    out: str
+    options: dict[str, Any] = field(default_factory=dict)  # resolve_options()
+    config: dict[str, Any] = field(default_factory=dict)  # the TrainConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def steps_to(history: list[dict[str, float]], threshold: float) -> int | None:
+    """The first evaluated step whose held-out accuracy is at least ``threshold`` (None if none)."""
+    return next((int(r["step"]) for r in history if r["accuracy"] >= threshold), None)
+
+
+def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | None = None, lr: float | None = None,
+                    seed: int = 0, eval_every: int | None = None, eval_sequences: int | None = None,
+                    window: int | None = None, warmup_steps: int | None = None, weight_decay: float = 0.1,
+                    model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None."""
+    budget = BUDGETS[task.name]
+    opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
+                            "eval_sequences": eval_sequences}
+    opts = {k: budget[k] if v is None else v for k, v in opts.items()}
+    opts["window"] = task.window if window is None else window
+    for name in ("steps", "batch_size", "eval_every", "eval_sequences", "window"):
+        value = opts[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if warmup_steps is None:
+        warmup_steps = min(50, opts["steps"] // 10)
+    if isinstance(opts["lr"], bool) or not isinstance(opts["lr"], (int, float)) or not opts["lr"] > 0:
+        raise ValueError(f"lr={opts['lr']!r} must be a positive number")
+    opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}))
+    return opts
+
+
+def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False, progress: bool = True,
+               tensorboard: bool = True, threads: int = 0, ckpt_every: int | None = None,
+               **options: Any) -> SynthResult:
+    """Train ``family`` on ``task`` into ``out``; ``options`` are those of :func:`resolve_options` (steps,
+    batch_size, lr, seed, eval_every, eval_sequences, window, warmup_steps, weight_decay, model overrides)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    opts = resolve_options(task, **options)
+    steps, batch_size, eval_every = opts["steps"], opts["batch_size"], opts["eval_every"]
+    overrides = {"vocab_size": task.vocab_size, "attention_window": opts["window"], **opts["model"]}
+    out = Path(out)
+    cfg = TrainConfig(
+        preset=f"{family}-synthetic", model=overrides, seq_len=task.seq_len, batch_size=batch_size, max_steps=steps,
+        lr=opts["lr"], warmup_steps=opts["warmup_steps"], weight_decay=opts["weight_decay"], eval_interval=eval_every,
+        log_interval=min(10, eval_every), ckpt_interval=ckpt_every or max(eval_every, steps // 4), out=str(out),
+        resume="auto" if resume else "", seed=opts["seed"], tensorboard=tensorboard, progress=progress, threads=threads,
+        sample_tokens=0, data=f"synthetic:{task.name}",
+    )
+    source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"])
+    start = time.perf_counter()
+    trainer = Trainer(cfg, source=source)
+    run = trainer.run()
+    wall = time.perf_counter() - start
+    history = [{"step": r["step"], "accuracy": r["accuracy"], "perfect": r["perfect"], "val_loss": r["val_loss"]}
+               for r in run.history if r["kind"] == "eval" and "accuracy" in r]
+    final = history[-1] if history else {"accuracy": math.nan, "perfect": math.nan}
+    result = SynthResult(
+        task=task.to_dict(), family=family, parameters=trainer.model.num_parameters(), steps=run.step,
+        history=history, accuracy=final["accuracy"], perfect=final["perfect"], steps_to_90=steps_to(history, 0.9),
+        steps_to_99=steps_to(history, 0.99), wall_s=wall, generate_s=source.generate_seconds, out=str(out),
+        options=opts, config=cfg.to_dict(),
+    )
+    save_pretrained(trainer.model, out)
+    write_json(out / TASK_FILE, task.to_dict())
+    write_json(out / RESULT_FILE, result.to_dict())
+    plot_accuracy({family: [(r["step"], r["accuracy"]) for r in history]}, out / "accuracy.png",
+                  f"{task.name}: {family}")
+    return result

@@ -1,0 +1,107 @@
+"""`griffin synth`: a few training steps for every task and family through the trainer, the run directory it leaves
+(checkpoint, task.json, curve), exact resume, `synth eval` and `synth compare` on the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from griffin import load_pretrained
+from griffin.cli import main
+from griffin.synth import MQAR, InductionHeads, SelectiveCopying, TaskSource, load_run, train_task
+from griffin.training import TrainConfig, Trainer
+from tests.conftest import seed_torch
+
+TASKS = {"selective_copying": SelectiveCopying(seq_len=24, num_data=4), "induction_heads": InductionHeads(seq_len=20),
+         "mqar": MQAR(seq_len=32, vocab_size=48, num_pairs=4)}
+QUICK = dict(steps=2, batch_size=2, eval_every=1, eval_sequences=4, progress=False, tensorboard=False, window=8)
+
+
+def seed_of(gen: torch.Generator) -> int:
+    return int(torch.randint(0, 2**20, (1,), generator=gen))
+
+
+@pytest.mark.parametrize("family", ["mqa", "hawk", "griffin"])
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_few_steps_of_every_task_and_family(name, family, tmp_path, gen):
+    task = TASKS[name]
+    result = train_task(task, family, tmp_path, seed=seed_of(gen), **QUICK)
+    assert result.steps == 2 and [r["step"] for r in result.history] == [0, 1, 2]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["perfect"] <= 1.0 for r in result.history)
+    model = load_pretrained(tmp_path)
+    assert model.config.family == family and model.config.vocab_size == task.vocab_size
+    assert model.config.width == 64 and model.config.depth == 5
+    if family == "griffin":
+        assert model.config.block_types[2] == "local_attention" and model.config.attention_window == 8
+    loaded, spec = load_run(tmp_path)
+    assert spec == task
+    assert json.loads((tmp_path / "result.json").read_text())["history"] == result.history
+    assert (tmp_path / "accuracy.png").stat().st_size > 0 and (tmp_path / "log.jsonl").is_file()
+    evals = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["accuracy"] for r in evals if r["kind"] == "eval"] == [r["accuracy"] for r in result.history]
+
+
+def test_resume_continues_the_task_stream_exactly(tmp_path, gen):
+    task, seed = TASKS["induction_heads"], seed_of(gen)
+    opts = dict(QUICK, steps=4, ckpt_every=2, eval_every=2, seed=seed)
+    whole = train_task(task, "griffin", tmp_path / "whole", **opts)
+    part = tmp_path / "part"
+    train_task(task, "griffin", part, **opts)
+    step4 = part / "checkpoints" / "step_00000004"
+    for path in sorted(step4.iterdir()):
+        path.unlink()
+    step4.rmdir()
+    (part / "checkpoints" / "latest").unlink()
+    resumed = train_task(task, "griffin", part, resume=True, **opts)
+    assert resumed.history == whole.history
+    a, b = load_pretrained(tmp_path / "whole").state_dict(), load_pretrained(part).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_trainer_refuses_a_source_that_is_not_one(tmp_path, gen):
+    cfg = TrainConfig(preset="hawk-tiny", out=str(tmp_path), progress=False, tensorboard=False)
+    with pytest.raises(TypeError, match="BatchSource"):
+        Trainer(cfg, source=object())
+
+    class NoLoss(TaskSource):
+        def evaluate(self, model):
+            return {"accuracy": 0.0}
+
+    seed_torch(gen)
+    trainer = Trainer(cfg, source=NoLoss(InductionHeads(seq_len=8), 2, eval_sequences=2))
+    with pytest.raises(ValueError, match="no 'val_loss'"):
+        trainer.evaluate()
+
+
+def test_command_line_train_eval_compare(tmp_path, capsys):
+    quick = ["--steps", "2", "--batch", "2", "--eval-every", "1", "--eval-sequences", "4", "--no-progress",
+             "--no-tensorboard", "--seq-len", "16", "--window", "8"]
+    run = tmp_path / "hawk"
+    assert main(["synth", "induction-heads", "--family", "hawk", "--out", str(run), *quick]) == 0
+    assert "held-out accuracy" in capsys.readouterr().out
+    assert main(["synth", "eval", str(run), "--lengths", "16", "64", "--sequences", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64 |" in out
+    lengths = json.loads((run / "lengths.json").read_text())["lengths"]
+    assert [r["length"] for r in lengths] == [16, 64]
+    assert main(["synth", "eval", str(tmp_path), "--lengths", "16"]) == 2
+    assert "holds no task.json" in capsys.readouterr().err
+
+    cmp = tmp_path / "compare"
+    args = ["synth", "compare", "induction_heads", "--out", str(cmp), *quick, "--lengths", "16", "32",
+            "--sequences", "2", "--attention-max-length", "16"]
+    assert main(args) == 0
+    table = (cmp / "table.md").read_text()
+    assert all(f"| {family} |" in table for family in ("mqa", "hawk", "griffin"))
+    summary = json.loads((cmp / "compare.json").read_text())
+    lengths = {r["family"]: [m["length"] for m in r["lengths"]] for r in summary["runs"]}
+    assert lengths == {"mqa": [16], "hawk": [16, 32], "griffin": [16, 32]}
+    assert (cmp / "accuracy.png").stat().st_size > 0 and (cmp / "lengths.png").stat().st_size > 0
+    # a second run reuses the finished runs (same settings) instead of training again
+    stamp = (cmp / "hawk" / "model.safetensors").stat().st_mtime_ns
+    assert main(args) == 0
+    assert (cmp / "hawk" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert Path(cmp / "griffin" / "task.json").is_file()
