@@ -43,11 +43,16 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from griffin.interop import export_hf, load_pretrained, save_official, save_pretrained
+    from griffin.parallel.checkpoint import is_sharded, load_sharded_model
 
     overrides = {}
     if args.window is not None:
         overrides["attention_window_size"] = args.window
-    model = load_pretrained(args.src, dtype=DTYPES[args.dtype] if args.dtype else None, **overrides)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    sharded = is_sharded(args.src)  # a checkpoint of `griffin train` on several devices: gathered into one
+    if sharded and overrides:
+        raise ValueError("--window applies to official checkpoints only, not to a sharded checkpoint")
+    model = load_sharded_model(args.src, dtype) if sharded else load_pretrained(args.src, dtype=dtype, **overrides)
     out = Path(args.dst)
     if args.to == "griffin":
         save_pretrained(model, out)
@@ -55,7 +60,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
         export_hf(model, out)
     else:
         save_official(model, out, lossy=args.lossy)
-    print(f"wrote {args.to} checkpoint of {model.num_parameters():,} parameters to {out}")
+    print(f"wrote {args.to} checkpoint of {model.num_parameters():,} parameters to {out}"
+          + (" (gathered from a sharded checkpoint)" if sharded else ""))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from griffin.interop import quantize_checkpoint
+
+    if not args.int8:
+        raise ValueError("choose the quantisation: --int8 (weight-only int8, the one there is)")
+    model = quantize_checkpoint(args.src, args.dst, args.group_size, DTYPES[args.dtype] if args.dtype else None)
+    groups = "one scale per output channel" if args.group_size == 0 else f"one scale per {args.group_size} inputs"
+    print(f"wrote {args.dst}: int8 weights, {groups}; activations in {model.dtype}")
     return 0
 
 
@@ -107,11 +124,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from griffin.data.tokenizer import load_tokenizer
     from griffin.inference.generate import check_sampling, decode_stream, prefill
     from griffin.interop import load_pretrained
+    from griffin.quantize import quantization_of, quantize_int8
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _read_prompts(args)
     tokenizer = load_tokenizer(_tokenizer_spec(args.tokenizer, args.checkpoint))
     model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype] if args.dtype else None)
+    if args.quantize == "int8" and quantization_of(model) is None:  # an int8 checkpoint is used as it is
+        model = quantize_int8(model, args.group_size, inplace=True)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}")
@@ -237,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.set_defaults(func=cmd_presets)
 
-    p = sub.add_parser("convert", help="convert a checkpoint (griffin, HF RecurrentGemma or official .pt)")
-    p.add_argument("src", help="checkpoint directory, HF directory or official .pt state dict")
+    p = sub.add_parser("convert", help="convert a checkpoint (griffin, sharded, HF RecurrentGemma or official .pt)")
+    p.add_argument("src", help="checkpoint directory (griffin, or sharded: written by `griffin train` on several "
+                   "devices), HF directory or official .pt state dict")
     p.add_argument("dst", help="output directory (griffin, hf) or .pt file (official)")
     p.add_argument("--to", choices=("griffin", "hf", "official"), default="griffin", help="output format")
     p.add_argument("--window", type=int, default=None,
@@ -248,6 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a format that cannot express the model anyway (with a warning); otherwise refused")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("quantize", help="write a checkpoint with weight-only int8 weights (faster CPU decoding)")
+    p.add_argument("src", help="a float checkpoint (griffin, HF RecurrentGemma or official)")
+    p.add_argument("dst", help="output directory (griffin format: int8 weights and their float32 scales)")
+    p.add_argument("--int8", action="store_true", help="weight-only int8: linear layers, embedding and output layer")
+    p.add_argument("--group-size", type=int, default=0,
+                   help="inputs sharing one scale: 0 (default) for one scale per output channel, or a multiple of "
+                        "8 dividing every layer's input width (e.g. 128)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of what stays in float (activations, norms, RG-LRU, biases); default: as stored")
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
@@ -271,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (CUDA graphs on GPU): faster per token, after a one-time "
                         "compilation; for long generations")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="decode with weight-only int8 weights, quantised on loading (CPU; an int8 checkpoint from "
+                        "`griffin quantize` needs no flag)")
+    p.add_argument("--group-size", type=int, default=0,
+                   help="with --quantize: inputs per int8 scale (0: one scale per output channel)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("train", help="train a model (Section 3); with no options, a small Griffin on the "
@@ -309,6 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "batching and prefix-state caching (docs/serving.md)")
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
+
+    from griffin.synth.cli import add_synth_parser  # griffin synth TASK | eval DIR | compare TASK (Section 6.2)
+
+    add_synth_parser(sub)
+
+    from griffin.evaluation.commands import add_eval_parser
+
+    add_eval_parser(sub)
+
+    from griffin.parallel.commands import add_plan_parser  # griffin plan PRESET --gpus N --gpu h100 (Section 4.1)
+
+    add_plan_parser(sub)
     return parser
 
 
