@@ -96,19 +96,23 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.final_norm.scale.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' and caches' dtype: the floating parameters' (int8 weights aside, griffin.quantize)."""
+        return self.final_norm.scale.dtype
 
     @property
     def output_weight(self) -> Tensor:
-        """The output layer's (vocab, D) matrix: the embedding's if tied."""
-        return self.lm_head.weight
+        """The output layer's (vocab, D) matrix: the embedding's if tied; dequantised (a new tensor) if int8."""
+        head = self.lm_head
+        return head.dequantize(self.dtype) if hasattr(head, "dequantize") else head.weight
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters, int8 weights included (griffin.quantize: stored as buffers)."""
+        int8 = sum(b.numel() for b in self.buffers() if b.dtype == torch.int8)
+        return sum(p.numel() for p in self.parameters()) + int8
 
     def init_cache(self, batch_size: int, max_length: int | None = None) -> Cache:
         """An empty inference cache, each block's own; ``max_length`` sizes global attention's KV cache (MQA)."""
@@ -160,7 +164,7 @@ class CausalLM(nn.Module):
 
     # Forward --------------------------------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        x = self.embed(input_ids)
+        x = self.embed(input_ids).to(self.dtype)  # a no-op, but for int8 embeddings' float32 rows
         return x * self.embed_multiplier if self.config.embed_scale else x
 
     def logits(self, h: Tensor) -> Tensor:
