@@ -27,9 +27,9 @@ def check_group_size(group_size: int, in_features: int | None = None, name: str 
         raise ValueError(f"group_size={group_size!r} is not supported: use 0 (one scale per output channel) or a "
                          f"positive multiple of {MIN_GROUP} (e.g. 32, 64, 128)")
     if in_features is not None and group_size and in_features % group_size:
-        where = f"layer {name} with " if name else ""
-        raise ValueError(f"group_size={group_size} does not divide the {in_features} inputs of {where}"
-                         f"{in_features} columns: choose a divisor of every quantised layer's input width, or 0")
+        where = f" of layer {name}" if name else ""
+        raise ValueError(f"group_size={group_size} does not divide the {in_features} inputs{where}: choose a "
+                         "divisor of every quantised layer's input width, or 0")
     return group_size
 
 
