@@ -1,0 +1,265 @@
+"""Decode speed of 1-3B models on CPU (Section 5.1): how close a decode step comes to the memory-bandwidth floor.
+
+At batch 1-8 a decode step reads every weight once, so the best time per step is the weights' bytes over the
+machine's read bandwidth. For each model shape (random weights; ``griffin.config.PRESETS``), weight dtype and batch,
+this script times greedy decode steps through ``griffin.generate_stream`` (the :class:`griffin.Decoder`: the matvec
+kernel that reads each weight once, the layers sharing an input fused; int8 from :func:`griffin.quantize.quantize_int8`)
+and reports:
+
+- ms per step (each row of the batch gets one token per step) and tokens/s (batch / step time);
+- weight bytes read per second (the model's parameters and buffers, once per step), as a fraction of the machine's
+  read bandwidth, measured in the same run: a warm ``sum`` over a 1 GiB float32 tensor, best of 7, just before each
+  model and weight dtype and at the end; fractions of the best of all of them and of the one just before (the
+  machine is shared: the one just before saw the same load);
+- for the ``recurrentgemma-2b`` shape, HF transformers' ``RecurrentGemmaForCausalLM`` on the same weights in
+  bfloat16 (written by :func:`griffin.interop.export_hf`, loaded by transformers), timed through its ``generate``
+  between consecutive calls of its forward pass.
+
+One model is held at a time (float32, then bfloat16, then its int8 quantisation; the HF model beside the bfloat16
+one), so that a 2.7B model fits 24 GiB. A step is timed from one token to the next: after ``--warmup`` steps, the
+median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by self time per step (bfloat16 and int8,
+batch 1, the first model), the matvec kernel (numba, not an aten operator) recorded as ``matvec (numba)``.
+
+    flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
+    python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from griffin import CausalLM, ModelConfig, generate_stream
+from griffin.inference.generate import weight_bytes
+from griffin.inference.matvec import MatvecLinear
+from griffin.quantize import quantize_int8
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, progress, table, write_json  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+HF_SHAPES = ("recurrentgemma-2b",)  # shapes in HF RecurrentGemma's conventions (embedding scale, soft-cap, ...)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Bytes/s of a warm ``sum`` over a ``gib`` GiB float32 tensor (far beyond the caches), best of ``repeats``."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()  # page faults, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def step_times(loop: Callable[[Callable[[], None]], None], warmup: int) -> list[float]:
+    """Seconds between consecutive tokens of ``loop`` (which calls its argument once per token), the first
+    ``warmup`` intervals (after the prefill: the decoder's set-up, first calls) left out."""
+    stamps: list[float] = []
+    loop(lambda: stamps.append(time.perf_counter()))
+    return [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)][warmup:]
+
+
+def timed_steps(loop: Callable[[Callable[[], None]], None], warmup: int, steps: int) -> list[float]:
+    """The first ``steps`` of :func:`step_times` (a loop of ``warmup + steps + 2`` tokens gives at least that)."""
+    times = step_times(loop, warmup)[:steps]
+    if len(times) < steps:
+        raise RuntimeError(f"{len(times)} steps timed, {steps} asked for")
+    return times
+
+
+def griffin_loop(model: CausalLM, prompts: torch.Tensor, n: int, compile: bool) -> Callable:
+    def loop(on_token: Callable[[], None]) -> None:
+        for _ in generate_stream(model, prompts, n, temperature=0.0, compile=compile):
+            on_token()
+    return loop
+
+
+def hf_loop(hf: Any, prompts: torch.Tensor, n: int) -> Callable:
+    def loop(on_token: Callable[[], None]) -> None:
+        handle = hf.register_forward_pre_hook(lambda *_: on_token())
+        try:
+            with torch.no_grad():
+                hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=n,
+                            min_new_tokens=n)
+        finally:
+            handle.remove()
+        on_token()  # the last interval ends when generate returns (its last forward's tokens sampled)
+    return loop
+
+
+def profile_steps(loop: Callable, top: int) -> list[dict]:
+    """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
+    step left out); the matvec kernel's calls appear as ``matvec (numba)``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    forward = MatvecLinear.forward
+
+    def recorded(self: MatvecLinear, x: torch.Tensor) -> Any:
+        with record_function("matvec (numba)"):
+            return forward(self, x)
+
+    prof, stamps = profile(activities=[ProfilerActivity.CPU]), []
+
+    def on_token() -> None:
+        stamps.append(time.perf_counter())
+        if len(stamps) == 2:
+            prof.start()
+
+    MatvecLinear.forward = recorded
+    try:
+        loop(on_token)
+    finally:
+        MatvecLinear.forward = forward
+    prof.stop()
+    steps = len(stamps) - 2
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [dict(op=e.key, calls=e.count / steps, self_ms=e.self_cpu_time_total / steps / 1e3) for e in events]
+
+
+def hf_from(model: CausalLM, directory: Path) -> Any:
+    """HF transformers' RecurrentGemma with ``model``'s weights (export_hf, then transformers' own loader)."""
+    import transformers
+
+    from griffin.interop import export_hf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Conv1D document-reset note: one document per row here
+        export_hf(model, directory)
+    hf = transformers.RecurrentGemmaForCausalLM.from_pretrained(directory, torch_dtype=torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_new_tokens, like griffin without stop tokens
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["griffin-1.3b", "recurrentgemma-2b"], help="preset names")
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
+                   help="weight dtypes (int8: weight-only, activations in bfloat16)")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--group-size", type=int, default=0, help="int8: inputs per scale (0: one per output channel)")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens per row (random)")
+    p.add_argument("--warmup", type=int, default=3, help="decode steps left out before timing")
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed (median kept)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (Decoder(compile=True))")
+    p.add_argument("--no-hf", action="store_true", help="skip HF transformers' RecurrentGemma")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile bfloat16 and int8 steps at batch 1 on the first model (torch.profiler)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    args = p.parse_args(argv)
+    for b in args.batches:
+        if b < 1:
+            raise SystemExit(f"--batches: {b} is not a positive batch size")
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    torch.set_num_threads(args.threads)
+    configs = {name: ModelConfig.from_preset(name) for name in args.models}  # unknown names fail here, named
+    started = time.perf_counter()
+    info = machine_info(torch.device("cpu"))
+    print(f"{info['cpu']}, {info['cores']} cores, {args.threads} threads, torch {info['torch']}; load average "
+          f"{info['load_average'][0]:.2f}")
+    n = args.warmup + args.steps + 2
+    hf_wanted = not args.no_hf and "bfloat16" in args.dtypes
+    runs_per_model = {name: len(args.batches) * (len(args.dtypes) + (hf_wanted and name in HF_SHAPES))
+                      for name in args.models}
+    bar = progress(sum(runs_per_model.values()), "decode runs")
+    rows: list[dict] = []
+    bandwidths: list[dict] = []
+    profiles: list[dict] = []
+
+    def time_run(loop: Callable, model_name: str, path: str, dtype: str, batch: int, wbytes: int) -> None:
+        times = timed_steps(loop, args.warmup, args.steps)
+        step = statistics.median(times)
+        rows.append(dict(model=model_name, path=path, dtype=dtype, batch=batch, step_ms=1e3 * step,
+                         read_gbps_adjacent=bandwidths[-1]["bytes_per_s"] / 1e9,
+                         tokens_per_s=batch / step, weight_gb=wbytes / 1e9, weight_gbps=wbytes / step / 1e9,
+                         steps_ms=[1e3 * t for t in times]))
+        bar.update()
+
+    for name, config in configs.items():
+        torch.manual_seed(args.seed)
+        model: CausalLM | None = CausalLM(config).eval()
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts_of = {b: torch.randint(0, config.vocab_size, (b, args.prompt), generator=gen) for b in args.batches}
+        current = "float32"
+        for dtype in [d for d in DTYPES if d in args.dtypes]:  # float32, bfloat16, int8: each from the one before
+            if dtype == "bfloat16" or (dtype == "int8" and current == "float32"):
+                model = model.to(torch.bfloat16)  # a new model; the float32 one is freed
+                gc.collect()
+            if dtype == "int8":
+                model = quantize_int8(model, args.group_size, inplace=True)
+                gc.collect()
+            current = dtype
+            wbytes = weight_bytes(model)
+            bw = read_bandwidth()
+            bandwidths.append(dict(before=f"{name} {dtype}", bytes_per_s=bw))
+            for b in args.batches:
+                time_run(griffin_loop(model, prompts_of[b], n, args.compile), name, "griffin", dtype, b, wbytes)
+            if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
+                profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
+                    griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))
+            if dtype == "bfloat16" and hf_wanted and name in HF_SHAPES:
+                with tempfile.TemporaryDirectory() as tmp:
+                    hf = hf_from(model, Path(tmp))
+                for b in args.batches:
+                    time_run(hf_loop(hf, prompts_of[b], n), name, "hf", dtype, b, wbytes)
+                del hf
+                gc.collect()
+        del model
+        gc.collect()
+    bar.close()
+    bw = read_bandwidth()
+    bandwidths.append(dict(before="end", bytes_per_s=bw))
+    best = max(b["bytes_per_s"] for b in bandwidths)
+    for r in rows:
+        r["bandwidth_fraction"] = r["weight_gbps"] * 1e9 / best
+        r["adjacent_fraction"] = r["weight_gbps"] / r["read_gbps_adjacent"]
+        same = [o for o in rows if o["model"] == r["model"] and o["batch"] == r["batch"] and o["path"] == "griffin"]
+        bf16 = [o for o in same if o["dtype"] == "bfloat16"]
+        r["vs_bf16"] = r["tokens_per_s"] / bf16[0]["tokens_per_s"] if bf16 else float("nan")
+    wall = time.perf_counter() - started
+    print(f"\nread bandwidth: best {best / 1e9:.1f} GB/s of {[round(b['bytes_per_s'] / 1e9, 1) for b in bandwidths]}; "
+          f"{args.warmup} warm-up + median of {args.steps} steps; prompt {args.prompt}; "
+          f"{'compiled' if args.compile else 'eager'}; wall {wall / 60:.1f} min")
+    print(table(rows, [("model", "model", ""), ("path", "path", ""), ("weights", "dtype", ""), ("batch", "batch", "d"),
+                       ("ms/step", "step_ms", ".1f"), ("tokens/s", "tokens_per_s", ".2f"),
+                       ("weight GB", "weight_gb", ".2f"), ("weight GB/s", "weight_gbps", ".1f"),
+                       ("of best read GB/s", "bandwidth_fraction", ".0%"),
+                       ("of read GB/s just before", "adjacent_fraction", ".0%"), ("tokens/s vs griffin bf16", "vs_bf16",
+                                                                             ".2f")]))
+    goals = []
+    for r in rows:
+        if r["path"] == "griffin" and r["dtype"] == "bfloat16" and r["batch"] == 1:
+            goals.append(dict(goal="bf16 at >= 75% of read bandwidth, batch 1", model=r["model"],
+                              value=r["bandwidth_fraction"], met=r["bandwidth_fraction"] >= 0.75))
+        if r["path"] == "griffin" and r["dtype"] == "int8":
+            goals.append(dict(goal="int8 >= 1.8x bf16 tokens/s", model=r["model"], batch=r["batch"],
+                              value=r["vs_bf16"], met=r["vs_bf16"] >= 1.8))
+    for g in goals:
+        print(f"goal {g['goal']} ({g['model']}{', batch ' + str(g['batch']) if 'batch' in g else ''}): "
+              f"{g['value']:.2f} {'met' if g['met'] else 'NOT met'}")
+    for prof in profiles:
+        print(f"\n{prof['model']} {prof['dtype']} batch 1: operators by self CPU time per step (torch.profiler)")
+        print(table(prof["ops"], [("operator", "op", ""), ("calls/step", "calls", ".1f"),
+                                  ("self ms/step", "self_ms", ".2f")]))
+    write_json(args.out, dict(args=vars(args), machine=info, load_average_end=machine_info(torch.device("cpu"))[
+        "load_average"], wall_s=wall, read_bandwidth=bandwidths, rows=rows, goals=goals, profiles=profiles))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
