@@ -21,6 +21,8 @@ class ServeConfig:
     tokenizer: str = "auto"
     served_model_name: str | None = None
     dtype: torch.dtype | None = None
+    quantize: str | None = None
+    group_size: int = 0
     device: str = "cpu"
     max_batch: int = 32
     max_queue: int = 256
@@ -50,6 +52,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients give (default: the checkpoint directory's name)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="serve weight-only int8 weights, quantised on loading (CPU only; an int8 checkpoint from "
+                        "`griffin quantize` needs no flag): about half bfloat16's bytes read per decode step")
+    p.add_argument("--group-size", type=int, default=d.group_size,
+                   help="with --quantize: inputs per int8 scale (default 0: one scale per output channel)")
     p.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=d.max_batch,
                    help="rows of the running batch: requests decoded together (default: %(default)s)")

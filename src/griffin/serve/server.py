@@ -10,6 +10,9 @@ import torch
 
 from griffin.data.tokenizer import Tokenizer, load_tokenizer
 from griffin.interop import load_pretrained
+from griffin.model import CausalLM
+from griffin.ops.matvec import check_group_size
+from griffin.quantize import quantization_of, quantize_int8
 from griffin.serve.app import Server, build_app
 from griffin.serve.chat import ChatTemplate, find_chat_template
 from griffin.serve.engine import Engine
@@ -28,12 +31,35 @@ def resolve_tokenizer(spec: str, checkpoint: str | Path) -> Tokenizer:
     return load_tokenizer(spec)
 
 
+def load_model(cfg: ServeConfig) -> CausalLM:
+    """The checkpoint's model on ``cfg.device`` in eval mode; with ``cfg.quantize == "int8"`` a float checkpoint is
+    quantised on loading (:func:`griffin.quantize.quantize_int8`; an int8 checkpoint is used as it is). Int8 weights
+    decode with the CPU kernel only, so they are refused on another device before anything is loaded."""
+    if cfg.quantize not in (None, "int8"):
+        raise ValueError(f"--quantize {cfg.quantize!r} is not supported: the one quantisation is int8")
+    if cfg.quantize is None and cfg.group_size:
+        raise ValueError(f"--group-size {cfg.group_size} applies to --quantize int8 only")
+    if cfg.quantize is not None:
+        check_group_size(cfg.group_size)
+        if torch.device(cfg.device).type != "cpu":
+            raise ValueError(f"--quantize int8 decodes with the CPU kernel only, not on --device {cfg.device}: serve "
+                             "on the CPU, or the float checkpoint on this device")
+    model = load_pretrained(cfg.checkpoint, dtype=cfg.dtype)
+    quantized = quantization_of(model)
+    if quantized is not None and torch.device(cfg.device).type != "cpu":
+        raise ValueError(f"{cfg.checkpoint} holds {quantized['method']} weights, which decode with the CPU kernel "
+                         f"only, not on --device {cfg.device}: serve it on the CPU, or serve the float checkpoint")
+    if cfg.quantize == "int8" and quantized is None:
+        model = quantize_int8(model, cfg.group_size, inplace=True)
+    return model.to(cfg.device).eval()
+
+
 def build_server(cfg: ServeConfig) -> Server:
     """Load the model and tokenizer and make the engine and the app's state (not started)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.checkpoint)
-    model = load_pretrained(cfg.checkpoint, dtype=cfg.dtype).to(cfg.device).eval()
+    model = load_model(cfg)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}")
