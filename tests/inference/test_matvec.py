@@ -113,3 +113,6 @@ def test_int8_needs_the_cpu_kernel(gen):
         Decoder(model, cache, matvec=False)
     with pytest.raises(ValueError, match="on meta"):
         quantize_int8(tiny("hawk", gen).to("meta"))
+    on_meta = model.to("meta")  # an int8 model moved to a device without the kernel
+    with pytest.raises(ValueError, match="CPU kernel only, and the model is on meta"):
+        Decoder(on_meta, on_meta.init_cache(1, 8))
