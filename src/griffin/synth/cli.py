@@ -10,6 +10,15 @@ from typing import Any
 from griffin.config import FAMILIES
 from griffin.synth.tasks import TASKS, make_task
 
+DESCRIPTION = """Copy and retrieval tasks trained from scratch (Section 6.2, Figure 6a/6b, Appendix H).
+
+  griffin synth TASK --family hawk --out DIR      train one family (TASK: selective-copying, induction-heads, mqar)
+  griffin synth eval DIR --lengths 256 4096       accuracy of a trained run at other sequence lengths
+  griffin synth compare TASK --out DIR            the three families, same budget and seed: plots and a table
+
+The tasks' defaults are the paper's (Zoology's for MQAR); docs/experiments.md gives the smaller settings that train
+in minutes on a CPU, and what they showed."""
+
 ALIASES = {name: [name.replace("_", "-")] if "_" in name else [] for name in TASKS}
 
 
@@ -118,7 +127,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``griffin synth`` and its sub-commands to the ``griffin`` parser's sub-commands."""
     p = sub.add_parser("synth", help="copy and retrieval tasks trained from scratch (Section 6.2): selective "
-                       "copying, induction heads, MQAR", description=__doc__)
+                       "copying, induction heads, MQAR", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="synth_command", required=True, metavar="{TASK,eval,compare}")
     for name in TASKS:
         t = actions.add_parser(name, aliases=ALIASES[name], help=f"train one family on {name}")
