@@ -105,3 +105,24 @@ def test_command_line_train_eval_compare(tmp_path, capsys):
     assert main(args) == 0
     assert (cmp / "hawk" / "model.safetensors").stat().st_mtime_ns == stamp
     assert Path(cmp / "griffin" / "task.json").is_file()
+
+
+def test_compare_checks_everything_before_training(tmp_path):
+    from griffin.synth.compare import compare
+
+    task = TASKS["induction_heads"]
+    with pytest.raises(ValueError, match="seq_len=2 is too short"):
+        compare(task, tmp_path / "a", lengths=[64, 2], **QUICK)
+    with pytest.raises(ValueError, match="unknown family 'rwkv'"):
+        compare(task, tmp_path / "b", families=["hawk", "rwkv"], **QUICK)
+    with pytest.raises(ValueError, match="steps=0 must be a positive integer"):
+        compare(task, tmp_path / "c", **dict(QUICK, steps=0))
+    assert not any(tmp_path.iterdir()), "nothing trained, nothing written"
+
+
+def test_eval_refuses_a_length_the_task_cannot_have(tmp_path, capsys):
+    run = tmp_path / "run"
+    train_task(TASKS["selective_copying"], "hawk", run, **QUICK)
+    assert main(["synth", "eval", str(run), "--lengths", "64", "7", "--no-progress"]) == 2
+    assert "seq_len=7 is too short" in capsys.readouterr().err
+    assert not (run / "lengths.json").exists()
