@@ -1,8 +1,9 @@
 """The weight matmuls of a decode step at memory bandwidth on CPU (Section 5.1), applied from outside the model as a
 module swap.
 
-At batch 1-8 a decode step of a 1-3B model is bound by reading its weights (docs/performance.md, "Decoding 1-3B
-models on CPU"). :func:`matvec_swapped` makes a copy of the model that shares every tensor, in which
+At batch 1-8 a decode step of a 1-3B model is bound by reading its weights (docs/performance.md, "CPU decode at
+1–3B", measured by benchmarks/decode_cpu.py). :func:`matvec_swapped` makes a copy of the model that shares every
+tensor, in which
 
 - each :class:`griffin.layers.LinearGroup` (attention's q/k/v, the recurrent block's two branches, the MLP's two
   up-projections) is one :class:`MatvecLinear`: one call of the CPU kernel over all its matrices, no copy of them;
