@@ -2,6 +2,10 @@
 
 Precedence: the defaults below (the README's CPU demo) < a TOML file (``griffin train --config F``) < command-line
 flags. Unknown keys and values of the wrong type are refused before anything runs, with the key named.
+
+Resuming (``griffin train --out OUT --resume``) starts from the run's saved configuration instead of the defaults:
+settings given again that define the run (:data:`RUN_KEYS`) must agree with it, the others (more steps, another
+device or layout, other logging intervals) may change; see :meth:`TrainConfig.resuming`.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import sys
 import types
 import typing
@@ -16,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from griffin.config import PRESETS, ModelConfig
+from griffin.data import VAL_FRACTION
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,7 +50,7 @@ class TrainConfig:
                          "prepare into OUT/data; empty: the embedded corpus (the Python standard library's source)")
     tokenizer: str = _opt("bytes", "tokenizer used when the data must be prepared: 'bytes', a tokenizer.json or a "
                                    "SentencePiece .model")
-    val_fraction: float = _opt(0.02, "fraction of documents held out for validation when preparing data")
+    val_fraction: float = _opt(VAL_FRACTION, "fraction of documents held out for validation when preparing data")
     seq_len: int = _opt(256, "tokens per training sequence (documents are packed; the model resets at each start)")
     batch_size: int = _opt(16, "sequences per micro-batch")
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
@@ -106,6 +114,9 @@ class TrainConfig:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} must be one of {choices}")
             if types_[f.name] is float:
                 setattr(self, f.name, float(getattr(self, f.name)))
+        for f in dataclasses.fields(self):
+            if types_[f.name] is float and not math.isfinite(getattr(self, f.name)):
+                raise ValueError(f"{f.name}={getattr(self, f.name)} must be a finite number")
         positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches",
                     "log_interval", "ckpt_interval", "max_skips")
         for key in positive:
@@ -127,6 +138,12 @@ class TrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={self.val_fraction} must lie in (0, 1)")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"device={self.device!r} is not a device: use 'auto', 'cpu', 'cuda', 'cuda:N' or "
+                                 "another torch device name") from None
         if self.preset not in PRESETS:
             close = difflib.get_close_matches(self.preset, PRESETS, n=3)
             raise ValueError(f"unknown preset {self.preset!r}" + (f"; did you mean {close}?" if close else
@@ -136,6 +153,10 @@ class TrainConfig:
             if key not in fields:
                 close = difflib.get_close_matches(key, fields, n=3)
                 raise ValueError(f"unknown model key {key!r}" + (f"; did you mean {close}?" if close else ""))
+        try:  # the model the preset and overrides describe (no weights): its bad values before any data work
+            self.model_config()
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"model: {err}") from None
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The preset with the [model] overrides; vocab_size follows the data unless set explicitly."""
@@ -143,7 +164,7 @@ class TrainConfig:
         if vocab_size is not None and "vocab_size" not in overrides:
             overrides["vocab_size"] = vocab_size
         for key in ("block_types", "a_init_range"):
-            if key in overrides:
+            if isinstance(overrides.get(key), list):  # TOML arrays; anything else is left to ModelConfig to refuse
                 overrides[key] = tuple(overrides[key])
         if ("depth" in overrides or "family" in overrides) and "block_types" not in overrides:
             overrides["block_types"] = None  # re-derived from the family's pattern for the new depth
@@ -166,15 +187,91 @@ class TrainConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> TrainConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no training config at {path}")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path}: not valid TOML: {err}") from None
-        model = {**data.pop("model", {}), **overrides.pop("model", {})}
-        return cls.from_dict({**data, **overrides, "model": model}, source=str(path))
+        """The config file at ``path`` with ``overrides`` (flags) on top; its [model] table merges key by key."""
+        return cls.from_dict(merge_settings(read_toml(path), overrides), source=str(path))
+
+    @classmethod
+    def resuming(cls, saved: dict[str, Any], given: dict[str, Any], trained_model: dict[str, Any] | None = None,
+                 source: str = "the run") -> TrainConfig:
+        """The configuration of a resumed run: ``saved`` (the run's own, from its checkpoint's ``trainer.json``) with
+        the settings ``given`` again (flags, config file) on top. A given setting that defines the run
+        (:data:`RUN_KEYS`) must agree with the saved one, else a ValueError names the flag and both values; a
+        ``model`` key given again is compared with ``trained_model`` (the checkpoint's ``config.json``)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        base = {k: v for k, v in saved.items() if k in names}  # a key an older version saved is dropped
+        given = dict(given)
+        model = given.pop("model", None) or {}
+        for key in RUN_KEYS:
+            if key in given and key in base and not same_setting(key, given[key], base[key]):
+                raise ValueError(f"cannot resume {source}: {_flag(key)} {given[key]!r} disagrees with the run's "
+                                 f"{key}={base[key]!r}; leave it out to continue with the run's value, or start a new "
+                                 "run in another --out")
+        known = {**(trained_model or {}), **base.get("model", {})}
+        for key, value in model.items():
+            if key not in known:
+                raise ValueError(f"cannot resume {source}: --model {key}={value!r} is not a setting of the run's "
+                                 "model" + _suggest(key, known))
+            if not same_setting(key, value, known[key]):
+                raise ValueError(f"cannot resume {source}: --model {key}={value!r} disagrees with the run's "
+                                 f"{key}={known[key]!r}; leave it out to continue with the run's value")
+        return cls.from_dict({**base, **given}, source=source)
+
+
+#: The settings that define a run: given again on resuming, they must agree with the run's saved values. The others
+#: may change (``max_steps`` to train on, the device and layout, intervals, sampling); ``batch_size`` is checked by
+#: the trainer as the global batch, which may be split over another number of data-parallel ranks.
+RUN_KEYS = ("preset", "model", "data", "tokenizer", "val_fraction", "seq_len", "grad_accum", "lr", "min_lr_ratio",
+            "warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "seed")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _suggest(key: str, names: Any) -> str:
+    close = difflib.get_close_matches(key, list(names), n=3)
+    return f"; did you mean {close}?" if close else ""
+
+
+def same_setting(key: str, a: Any, b: Any) -> bool:
+    """Whether two values of a setting mean the same (numbers by value, lists and tuples alike, data paths resolved)."""
+    if key == "data" and isinstance(a, str) and isinstance(b, str):
+        def paths(text: str) -> list[str]:
+            return [str(Path(p).resolve()) for p in text.split(",")] if text else []
+        return a == b or paths(a) == paths(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_setting(key, x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The settings of a training config file (its [model] table as ``model``), with the file named in errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no training config at {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a text file: {err}") from None
+    if not isinstance(data.get("model", {}), dict):
+        raise ValueError(f"{path}: model must be a [model] table, got {data['model']!r}")
+    return data
+
+
+def merge_settings(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` on top of ``base``; their ``model`` tables merge key by key."""
+    model = {**base.get("model", {}), **overrides.get("model", {})}
+    return {**base, **overrides, "model": model}
+
+
+class ConfigTypeError(ValueError, TypeError):
+    """A setting of the wrong type: a ValueError (a bad value given by the user) that is also a TypeError."""
 
 
 @functools.cache
@@ -184,19 +281,19 @@ def field_types() -> dict[str, Any]:
 
 
 def check_type(name: str, value: Any, expected: Any) -> None:
-    """Raise a TypeError naming ``name`` unless ``value`` matches the annotation ``expected``."""
+    """Raise a :class:`ConfigTypeError` naming ``name`` unless ``value`` matches the annotation ``expected``."""
     origin = typing.get_origin(expected)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(expected):
             try:
                 check_type(name, value, option)
                 return
-            except TypeError:
+            except ConfigTypeError:
                 pass
-        raise TypeError(f"{name}={value!r} must be {expected}, got {type(value).__name__}")
+        raise ConfigTypeError(f"{name}={value!r} must be {expected}, got {type(value).__name__}")
     if origin is dict:
         if not isinstance(value, dict):
-            raise TypeError(f"{name} must be a table/dict, got {type(value).__name__}")
+            raise ConfigTypeError(f"{name} must be a table/dict, got {type(value).__name__}")
         return
     if expected is type(None):
         ok = value is None
@@ -207,7 +304,7 @@ def check_type(name: str, value: Any, expected: Any) -> None:
     else:
         ok = isinstance(value, expected)
     if not ok:
-        raise TypeError(f"{name}={value!r} must be of type {expected.__name__}, got {type(value).__name__}")
+        raise ConfigTypeError(f"{name}={value!r} must be of type {expected.__name__}, got {type(value).__name__}")
 
 
 def parse_model_override(text: str) -> tuple[str, Any]:

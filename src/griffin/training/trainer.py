@@ -34,7 +34,7 @@ from griffin.training.checkpoint import (
     set_link,
     step_dir,
 )
-from griffin.training.config import TrainConfig
+from griffin.training.config import RUN_KEYS, TrainConfig, same_setting
 from griffin.training.distributed import init_distributed
 from griffin.training.layout import Layout, even_share, load_any, translate_loader_state, wants_layout
 from griffin.training.source import BatchSource
@@ -42,6 +42,45 @@ from griffin.training.source import BatchSource
 
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss, for instance); the last checkpoint on disk is intact."""
+
+
+def resume_checkpoint(out: str | Path, resume: str) -> Path | None:
+    """The checkpoint a run in ``out`` resumes from: ``resume`` itself if it is a path; for ``"auto"`` the newest
+    intact one in ``out/checkpoints`` (None if there is none yet: the run starts); None if ``resume`` is empty."""
+    if not resume:
+        return None
+    if resume != "auto":
+        return Path(resume)
+    root = Path(out) / "checkpoints"
+    path = find_resumable(root)
+    if path is None and list_checkpoints(root):
+        raise CheckpointError(f"no checkpoint in {root} is intact; resume from one explicitly or start in another "
+                              "--out")
+    return path
+
+
+def saved_run_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The training settings (``trainer.json``'s ``config``) and the model config (``config.json``) a checkpoint
+    was written with, read without loading any weights; a missing or unreadable file is a CheckpointError naming it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    found = []
+    for name in ("trainer.json", "config.json"):
+        file = path / name
+        try:
+            data = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} has no {name}: not a checkpoint of `griffin train`") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{file} is unreadable: {err}") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{file} is not a JSON object")
+        found.append(data)
+    settings = found[0].get("config", {})
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{path / 'trainer.json'}: config is not a JSON object")
+    return settings, found[1]
 
 
 # Pieces -----------------------------------------------------------------------------------------------------
@@ -169,6 +208,9 @@ class Trainer:
         if existing and not cfg.resume:
             raise ValueError(f"{self.out} already holds checkpoints of a run (up to {existing[-1].name}): pass "
                              "--resume to continue it, or choose another --out")
+        resume_from = self._resume_path()
+        if resume_from is not None:  # before anything is built: a run of another model is refused by its settings
+            self._check_run_settings(resume_from)
         self.dist, device = init_distributed(cfg.device)
         self.device = resolve_device(device)
         self.autocast = resolve_precision(cfg.precision, self.device)
@@ -227,7 +269,6 @@ class Trainer:
         self.best_val = math.inf
         self.best_step: int | None = None
         self.skipped = 0
-        resume_from = self._resume_path()
         if resume_from is not None:
             state = load_any(resume_from, self.model, self.optimizer, self.layout, load_checkpoint,
                              lambda model: build_optimizer(model, cfg))
@@ -260,15 +301,16 @@ class Trainer:
 
     # Resume --------------------------------------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
-        if not self.cfg.resume:
-            return None
-        if self.cfg.resume == "auto":
-            path = find_resumable(self.ckpt_root)
-            if path is None and list_checkpoints(self.ckpt_root):
-                raise CheckpointError(f"no checkpoint in {self.ckpt_root} is intact; resume from one explicitly "
-                                      "or start in another --out")
-            return path
-        return Path(self.cfg.resume)
+        return resume_checkpoint(self.out, self.cfg.resume)
+
+    def _check_run_settings(self, path: Path) -> None:
+        """Refuse to resume a run whose defining settings (RUN_KEYS) differ from this config's, naming the first."""
+        saved, _ = saved_run_config(path)
+        for key in RUN_KEYS:
+            if key in saved and not same_setting(key, saved[key], getattr(self.cfg, key)):
+                raise CheckpointError(f"cannot resume from {path}: it was trained with {key}={saved[key]!r}, this run "
+                                      f"has {key}={getattr(self.cfg, key)!r} (`griffin train --out OUT --resume` "
+                                      "reuses the run's settings)")
 
     def _layout(self, cfg: TrainConfig, source: BatchSource | None) -> Layout | None:
         """The device mesh of a tensor-parallel or sharded run (None: one process, or plain data parallelism)."""
