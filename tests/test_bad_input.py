@@ -106,3 +106,80 @@ def test_garbage_tokenizer_files_are_named(tmp_path, name, content, needle):
     with pytest.raises(ValueError, match=needle):
         load_tokenizer(tmp_path / name)
 
+
+
+# The command line --------------------------------------------------------------------------------------------------
+def _tree(path):
+    """Every file under ``path`` with its bytes (to check that a refused command changed nothing)."""
+    from pathlib import Path
+
+    root = Path(path)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def files(model, tmp_path):
+    """A saved model, a plain file, a garbage tokenizer and a config file with a string for a number."""
+    save_pretrained(model, tmp_path / "m")
+    (tmp_path / "file").write_text("hello\n")
+    (tmp_path / "garbage.json").write_text("garbage")
+    (tmp_path / "bad.toml").write_text('lr = "fast"\n')
+    (tmp_path / "model.toml").write_text('[model]\nembed_scale = "false"\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--device", "gpu0"], "device='gpu0' is not a device"),
+    (["train", "--lr", "inf"], "lr=inf must be a finite number"),
+    (["train", "--lr", "nan"], "lr=nan must be a finite number"),
+    (["train", "--weight-decay=-inf"], "weight_decay=-inf must be a finite number"),
+    (["train", "--model", "width=wide"], "width='wide' must be a positive integer"),
+    (["train", "--model", "a_init_range=1"], "a_init_range=1 must be a pair"),
+    (["train", "--model", "widht=64"], "unknown model key 'widht'; did you mean ['width']"),
+    (["train", "--model", "width"], "--model expects KEY=VALUE, got 'width'"),
+    (["train", "--config", "{d}/bad.toml"], "lr='fast' must be of type float"),
+    (["train", "--config", "{d}/model.toml"], "embed_scale='false' must be true or false"),
+    (["train", "--config", "{d}/missing.toml"], "no training config at {d}/missing.toml"),
+    (["train", "--config", "{d}/m/model.safetensors"], "model.safetensors: not"),
+    (["convert", "{d}/m", "{d}/file"], "{d}/file: File exists"),
+    (["convert", "{d}/m", "{d}/out", "--window", "4"], "--window applies to official checkpoints only, not to {d}/m"),
+    (["convert", "{d}/m", "{d}/out", "--to", "official", "--window", "0"], "--window 0 must be a positive"),
+    (["generate", "{d}/m", "--tokenizer", "{d}/garbage.json", "--prompt", "x"], "garbage.json is not a tokenizer"),
+    (["generate", "{d}/missing", "--prompt", "x"], "{d}/missing"),
+    (["generate", "{d}/m", "--tokenizer", "bytes"], "give a prompt with --prompt"),
+    (["prepare", "{d}/file", "--out", "{d}/file"], "{d}/file exists and is not a directory"),
+    (["prepare", "{d}/missing", "--out", "{d}/data"], "{d}/missing"),
+    (["info", "griffin-tny"], "did you mean griffin-tiny"),
+    (["quantize", "{d}/m", "{d}/q"], "choose the quantisation: --int8"),
+])
+def test_cli_refuses_with_one_line_naming_the_value(files, argv, needle, capsys):
+    from griffin.cli import main
+
+    before = _tree(files)
+    assert main([a.format(d=files) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"griffin {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert needle.format(d=files) in err
+    assert _tree(files) == before  # nothing written, nothing changed
+
+
+def test_cli_process_exit_status_and_no_traceback(tmp_path):
+    """Through a real process: a user error is one line and exit status 2; a closed output pipe is silent (141)."""
+    import os
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "griffin.cli", "train", "--device", "gpu0", "--out",
+                          str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "griffin train: error: device='gpu0' is not a device: use 'auto', 'cpu', 'cuda', 'cuda:N' " \
+                         "or another torch device name\n"
+    assert not (tmp_path / "run").exists()
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: like `griffin presets | head -0`
+    try:
+        closed = subprocess.run([sys.executable, "-m", "griffin.cli", "presets"], stdout=write, stderr=subprocess.PIPE,
+                                text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert closed.returncode == 141 and closed.stderr == ""

@@ -108,3 +108,157 @@ def test_tokenizer_and_prepare_commands(tmp_path, capsys):
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 8
     assert main(["prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "d2")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+# The CLI explains itself (issue 13) ------------------------------------------------------------------------------
+OWN_COMMANDS = ("presets", "convert", "quantize", "generate", "train", "prepare", "tokenizer", "info")
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices
+    return {}
+
+
+def test_version_and_main_help(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"griffin {version('griffin')}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Griffin and Hawk" in out and "``" not in out  # a description, not the module's raw docstring
+    assert "examples:" in out and "griffin train --out runs/hawk --resume" in out and "exit status:" in out
+    for name in OWN_COMMANDS:  # each sub-command listed with its help
+        assert f"    {name}" in out
+
+
+def test_every_subcommand_has_a_description_and_plain_help(capsys):
+    from griffin.cli import EXAMPLES, build_parser
+
+    def walk(parser, path):
+        yield path, parser
+        for name, sub in _subparsers(parser).items():
+            yield from walk(sub, [*path, name])
+
+    seen = set()
+    for path, parser in walk(build_parser(), []):
+        if not path or id(parser) in seen:  # aliases share a parser
+            continue
+        seen.add(id(parser))
+        assert parser.description, path
+        text = parser.format_help()
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, path
+        if len(path) == 1 and path[0] in EXAMPLES:
+            assert "examples:\n  griffin " + path[0] in text, path
+    assert {"synth", "eval", "plan", "serve"} <= {p[0] for p in ([n] for n in _subparsers(build_parser()))}
+
+
+def test_own_options_have_help_and_show_defaults():
+    from griffin.cli import build_parser
+
+    commands = _subparsers(build_parser())
+    for name in OWN_COMMANDS:
+        for action in commands[name]._actions:
+            assert action.help and action.help.strip(), (name, action.option_strings or action.dest)
+    generate = commands["generate"].format_help()
+    assert "tokens to generate after each prompt (default: 64)" in " ".join(generate.split())
+    assert "(default: None)" not in generate and "(default: False)" not in generate
+    train = " ".join(commands["train"].format_help().split())
+    assert "--lr LR peak learning rate (default: 0.003)" in train
+    assert "--debug" in train  # the global flag is also accepted after the sub-command
+
+
+def test_mistyped_names_get_suggestions(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["trian"])
+    assert exit_.value.code == 2 and "invalid choice: 'trian'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trian"])
+    assert "did you mean train?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "ckpt", "--dtype", "bfloat61"])
+    assert "did you mean bfloat16 or float16" in capsys.readouterr().err  # the closest first, of --dtype's only
+    assert main(["info", "griffin-tny"]) == 2
+    assert "no preset or checkpoint named 'griffin-tny'; did you mean griffin-tiny" in capsys.readouterr().err
+    assert main(["train", "--preset", "hawk-cpuu", "--out", str(tmp_path / "run")]) == 2
+    assert "unknown preset 'hawk-cpuu'; did you mean ['hawk-cpu'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# The error policy ------------------------------------------------------------------------------------------------
+def test_user_errors_and_bugs_are_told_apart():
+    from griffin.cli import is_user_error
+    from griffin.interop import CheckpointError
+    from griffin.io import FileFormatError
+    from griffin.training import TrainingError
+    from griffin.training.config import ConfigTypeError
+
+    for err in (ValueError("v"), FileNotFoundError(2, "x"), FileExistsError(17, "x"), NotADirectoryError(),
+                IsADirectoryError(), PermissionError(), OSError(), CheckpointError("c"), FileFormatError("f"),
+                TrainingError("t"), ConfigTypeError("lr='fast'")):
+        assert is_user_error(err), err
+    for err in (TypeError("t"), KeyError("k"), AttributeError("a"), RuntimeError("r"), AssertionError()):
+        assert not is_user_error(err), err
+
+
+def _failing(monkeypatch, exc):
+    import griffin.cli
+
+    def cmd(args):
+        raise exc
+
+    monkeypatch.setattr(griffin.cli, "cmd_presets", cmd)
+
+
+def test_a_user_error_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
+    _failing(monkeypatch, FileExistsError(17, "File exists", "out/model"))
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err == "griffin presets: error: out/model: File exists\n"
+    for argv in (["--debug", "presets"], ["presets", "--debug"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback") and err.endswith("griffin presets: error: out/model: File exists\n")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    _failing(monkeypatch, TypeError("unsupported operand"))
+    with pytest.raises(TypeError, match="unsupported operand"):
+        main(["presets"])
+
+
+def test_interrupt_and_broken_pipe(monkeypatch, capsys):
+    _failing(monkeypatch, KeyboardInterrupt())
+    assert main(["presets"]) == 130
+    assert capsys.readouterr().err == "\ngriffin presets: interrupted\n"
+    _failing(monkeypatch, BrokenPipeError(32, "Broken pipe"))
+    assert main(["presets"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_first_ctrl_c_restores_the_default_handler():
+    """The first SIGINT raises KeyboardInterrupt and puts the default handler back, so a second one stops the
+    process at once; main() leaves the handler as it found it."""
+    import os
+    import signal
+
+    from griffin.cli import _install_interrupt_handler
+
+    original = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        restore = _install_interrupt_handler()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python runs the handler between bytecodes of the main thread
+                pass
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        restore()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, original)

@@ -1,18 +1,36 @@
-"""The ``griffin`` command line."""
+"""The ``griffin`` command line, and its error policy.
+
+Exit status: 0 done; 2 a user error (a bad value, a missing, malformed or busy file or directory, a run that cannot
+go on; argparse's usage errors too), printed as one line ``griffin CMD: error: MESSAGE`` naming the value or file;
+130 interrupted (the first Ctrl-C says how to resume, a second one stops at once); 141 the output pipe was closed
+(``griffin presets | head -1``), silently. Anything else is a bug and shows its traceback (exit 1). ``--debug`` shows
+the traceback of every error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
+import shlex
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from griffin.config import PAPER_SIZES, PRESETS, ModelConfig, nominal_size
+from griffin.data import VAL_FRACTION
 from griffin.model import count_parameters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`
 
 
 def preset_table(markdown: bool = False) -> str:
@@ -42,16 +60,21 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from griffin.interop import export_hf, load_pretrained, save_official, save_pretrained
+    from griffin.interop import detect_format, export_hf, load_pretrained, save_official, save_pretrained
     from griffin.parallel.checkpoint import is_sharded, load_sharded_model
 
     overrides = {}
     if args.window is not None:
+        if args.window <= 0:
+            raise ValueError(f"--window {args.window} must be a positive number of tokens")
         overrides["attention_window_size"] = args.window
     dtype = DTYPES[args.dtype] if args.dtype else None
     sharded = is_sharded(args.src)  # a checkpoint of `griffin train` on several devices: gathered into one
     if sharded and overrides:
         raise ValueError("--window applies to official checkpoints only, not to a sharded checkpoint")
+    if overrides and not sharded and detect_format(args.src) != "official":
+        raise ValueError(f"--window applies to official checkpoints only, not to {args.src} "
+                         f"({detect_format(args.src)} format: its config holds the window)")
     model = load_sharded_model(args.src, dtype) if sharded else load_pretrained(args.src, dtype=dtype, **overrides)
     out = Path(args.dst)
     if args.to == "griffin":
@@ -83,6 +106,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         cfg = ModelConfig.from_preset(args.path)
         print(f"preset {args.path}: {count_parameters(cfg):,} parameters")
     else:
+        close = difflib.get_close_matches(args.path, PRESETS, n=3)
+        if close and not Path(args.path).exists():
+            raise ValueError(f"no preset or checkpoint named {args.path!r}; did you mean {' or '.join(close)}?")
         print(f"format: {detect_format(args.path)}")
         model = load_pretrained(args.path)
         cfg = model.config
@@ -179,15 +205,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from griffin.training import TrainConfig, train
-    from griffin.training.config import parse_model_override
+    from griffin.training.config import merge_settings, parse_model_override, read_toml
 
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                 if f.name != "model" and getattr(args, f.name, None) is not None}
-    model = dict(parse_model_override(item) for item in args.model or [])
-    if args.config:
-        cfg = TrainConfig.from_toml(args.config, **overrides, model=model)
-    else:
-        cfg = TrainConfig(**overrides, model=model)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+             if f.name != "model" and getattr(args, f.name, None) is not None}
+    flags["model"] = dict(parse_model_override(item) for item in args.model or [])
+    source = args.config or "the command line"
+    given = merge_settings(read_toml(args.config), flags) if args.config else flags
+    cfg = resumed_config(given) if given.get("resume") else TrainConfig.from_dict(given, source=source)
+    args.interrupt_hint = lambda: _resume_hint(cfg.out)
     result = train(cfg)
     print(f"\ntrained {result.step} steps: validation loss {result.val_loss:.4f} nats/token "
           f"(best {result.best_val_loss:.4f}; unigram baseline {result.unigram_loss:.4f})")
@@ -195,6 +221,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.sample:
         print(f"sample:\n{_printable(result.sample, final=True)}")
     return 0
+
+
+def resumed_config(given: dict[str, Any]):
+    """``griffin train --resume``: the run's saved settings (from the checkpoint it resumes) with those ``given``
+    again on top, which must agree where they define the run (:meth:`TrainConfig.resuming`). A run with no
+    checkpoint yet (``--resume`` on a fresh ``--out``) starts from ``given``."""
+    from griffin.training import TrainConfig
+    from griffin.training.trainer import resume_checkpoint, saved_run_config
+
+    out = given.get("out", TrainConfig.__dataclass_fields__["out"].default)
+    path = resume_checkpoint(out, given["resume"])
+    if path is None:
+        return TrainConfig.from_dict(given, source="the command line")
+    saved, model = saved_run_config(path)
+    if given["resume"] == "auto":
+        given = {**given, "out": out}
+    return TrainConfig.resuming(saved, given, model, source=str(path))
+
+
+def _resume_hint(out: str) -> str:
+    """What a stopped ``griffin train`` says: how to continue from its newest checkpoint, if it wrote one."""
+    from griffin.training.checkpoint import list_checkpoints
+
+    done = list_checkpoints(Path(out) / "checkpoints")
+    if not done:
+        return "no checkpoint was written yet; run the same command to start again"
+    return (f"the checkpoints in {out}/checkpoints are kept (newest: {done[-1].name}); continue the run with its "
+            f"own settings: griffin train --out {shlex.quote(str(out))} --resume")
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
@@ -206,7 +260,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
 
     defaults = TrainConfig()
     hints = field_types()
-    p.add_argument("--config", metavar="TOML", help="a training config file (see configs/); flags override it")
+    p.add_argument("--config", metavar="TOML", help="a training config file (see configs/); flags override it; "
+                   "with --resume, the run's saved settings replace it and what it sets must agree with them")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"]
@@ -214,7 +269,8 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="append", metavar="KEY=VALUE", help=help_text + " (repeatable)")
         elif f.name == "resume":
             p.add_argument(flag, nargs="?", const="auto", default=None, metavar="CHECKPOINT",
-                           help=help_text + " (the flag alone means 'auto')")
+                           help=help_text + " (the flag alone means 'auto'); the run's saved settings are reused: "
+                           "flags given again must agree with them, except steps, device, layout and logging")
         elif hints[f.name] is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{help_text} (default: {getattr(defaults, f.name)})")
@@ -249,9 +305,133 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+# The parser: help that explains itself ------------------------------------------------------------------------
+def _plain(text: str) -> str:
+    """Help text without reStructuredText markup: ``:func:`x``` and ````x```` become `x`."""
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where they say something, markup removed, and paragraphs with indented or bulleted lines
+    (examples, lists) kept as written while the others are re-wrapped."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in re.split(r"\n[ \t]*\n", _plain(text).strip("\n")):
+            lines = para.splitlines()
+            if any(line.startswith((" ", "- ", "* ")) for line in lines):
+                out.append("\n".join(indent + line for line in lines))
+            else:
+                out.append(argparse.HelpFormatter._fill_text(self, para, width, indent))
+        return "\n\n".join(out)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = _plain(action.help or "")
+        if ("default" in text.lower() or action.default in (None, False, argparse.SUPPRESS)
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
+class _SubCommands(argparse._SubParsersAction):
+    """Sub-commands, wherever they are added (here or by another package's hook), get the help formatter, a
+    description (their help as a sentence unless they bring one), examples where :data:`EXAMPLES` has them, and
+    ``--debug``."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        if kwargs.get("help") and not kwargs.get("description"):
+            kwargs["description"] = _sentence(kwargs["help"])
+        if name in EXAMPLES and self.dest == "command":
+            kwargs.setdefault("epilog", "examples:\n" + EXAMPLES[name])
+        parser = super().add_parser(name, **kwargs)
+        parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                            help="show the traceback of an error (also before the command: griffin --debug CMD)")
+        return parser
+
+
+class GriffinParser(argparse.ArgumentParser):
+    """An ArgumentParser that suggests the closest names for a mistyped choice (difflib)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_subparsers(self, **kwargs: Any):
+        kwargs.setdefault("action", _SubCommands)
+        return super().add_subparsers(**kwargs)
+
+    def error(self, message: str):
+        match = re.search(r"invalid choice: '?(.*?)'? \(choose from", message)
+        if match:
+            named = [a for a in self._actions if a.choices and f"argument {argparse._get_action_name(a)}:" in message]
+            names = [str(c) for a in named or self._actions if a.choices for c in a.choices]
+            close = difflib.get_close_matches(match.group(1), names, n=3)
+            if close:
+                message += f"; did you mean {' or '.join(close)}?"
+        super().error(message)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("griffin")
+    except PackageNotFoundError:  # pragma: no cover - run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+DESCRIPTION = """\
+Griffin and Hawk (De et al., 2024): gated linear recurrences mixed with local attention. Train the paper's models
+(or small ones on a CPU), prepare data, sample, convert checkpoints, serve them, evaluate them, plan a cluster."""
+
+EPILOG = """\
+examples:
+  griffin presets                               the model sizes and their parameter counts
+  griffin train                                 the CPU demo: a small Griffin on the stdlib's source
+  griffin train --preset hawk-cpu --out runs/hawk
+  griffin train --out runs/hawk --resume        continue a stopped run, with its own settings
+  griffin prepare input.txt --out data && griffin train --data data --out runs/mine
+  griffin generate runs/griffin-cpu/checkpoints/best --prompt "def " --max-new-tokens 200
+  griffin COMMAND --help                        the options of a command
+
+exit status: 0 done; 2 a bad value, a missing, malformed or busy file (one line naming it); 130 interrupted
+(Ctrl-C: a second one stops at once); 141 the output pipe closed; 1 an unexpected error (a bug: its traceback is
+shown). --debug shows the traceback of every error."""
+
+EXAMPLES = {
+    "presets": "  griffin presets\n  griffin presets --markdown > presets.md\n",
+    "train": "  griffin train                                    the CPU demo (configs/cpu-demo.toml's settings)\n"
+             "  griffin train --config configs/hawk-cpu.toml --out runs/hawk\n"
+             "  griffin train --preset griffin-tiny --max-steps 50 --model width=64 --out runs/small\n"
+             "  griffin train --data data --out runs/mine        a dataset from `griffin prepare`\n"
+             "  griffin train --out runs/mine --resume           continue it (its saved settings; more steps:\n"
+             "                                                   --max-steps N)\n",
+    "prepare": "  griffin prepare input.txt --out data             one text file: cut into pieces, some held out\n"
+               "  griffin prepare corpus/ --tokenizer tok.json --out data\n",
+    "generate": "  griffin generate runs/griffin-cpu/checkpoints/best --prompt \"def \" --temperature 0.8\n"
+                "  griffin generate CKPT --prompt-file prompts.txt --max-new-tokens 32 --seed 0\n"
+                "  griffin generate CKPT --prompt-file book.txt --max-new-tokens 0 --save-state book.state\n",
+    "convert": "  griffin convert runs/griffin-cpu/checkpoints/best hf-model --to hf\n"
+               "  griffin convert 2b.pt recurrentgemma-2b            an official checkpoint to griffin's format\n",
+    "quantize": "  griffin quantize runs/griffin-cpu/checkpoints/best int8-model --int8\n",
+    "info": "  griffin info griffin-1.3b\n  griffin info runs/griffin-cpu/checkpoints/best\n",
+    "tokenizer": "  griffin tokenizer corpus/ --vocab-size 8192 --out tokenizer.json\n",
+    "serve": "  griffin serve runs/griffin-cpu/checkpoints/best --port 8000\n",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="griffin", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The ``griffin`` parser with every sub-command (those of serve, synth, eval and plan from their packages)."""
+    parser = GriffinParser(prog="griffin", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"griffin {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("presets", help="list the model presets with their parameter counts")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -288,8 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'auto': the checkpoint directory's tokenizer if it holds one, else bytes")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", help="a text file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 samples greedily")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after each prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 samples greedily")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
@@ -321,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="*", help="files or directories (none: the Python standard library's source)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default="bytes", help="'bytes', a tokenizer.json or a SentencePiece .model")
-    p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out")
+    p.add_argument("--val-fraction", type=float, default=VAL_FRACTION, help="fraction of documents held out")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
     p.add_argument("--text-field", default="text", help="the text field of JSONL records and parquet tables")
     p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
@@ -361,13 +541,77 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def is_user_error(err: BaseException) -> bool:
+    """Whether ``err`` is the user's to fix (a bad value, a missing, malformed or busy file, a run that cannot go
+    on: ValueError and its subclasses such as CheckpointError and FileFormatError, OSError, TrainingError) rather
+    than a bug. A TypeError is a bug: where a wrong type comes from the user, it is refused as a ValueError."""
+    if isinstance(err, (ValueError, OSError)):
+        return True
+    trainer = sys.modules.get("griffin.training.trainer")
+    return trainer is not None and isinstance(err, trainer.TrainingError)
+
+
+def _message(err: BaseException) -> str:
+    """One line for a user error: an OSError as 'FILE: what happened' rather than '[Errno 17] ...'."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        files = f"{err.filename}" + (f" -> {err.filename2}" if err.filename2 is not None else "")
+        return f"{files}: {err.strerror}"
+    return str(err)
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """The first Ctrl-C: a KeyboardInterrupt, with the default handler back so that a second one stops at once."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+def _install_interrupt_handler() -> Callable[[], None]:
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None  # not ours to change (a thread, or a host program with its own handler)
+    signal.signal(signal.SIGINT, _interrupt_once)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _silence_stdout() -> None:
+    """After the reader of stdout went away: point stdout at /dev/null so that the interpreter's last flush does not
+    complain again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor (captured)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``griffin`` with ``argv`` and return the exit status (see the module docstring for the error policy)."""
     args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    restore = _install_interrupt_handler()
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"griffin {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        hint = getattr(args, "interrupt_hint", None)
+        print(f"\ngriffin {args.command}: interrupted" + (f"; {hint()}" if hint else ""), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        if debug:
+            traceback.print_exc()
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"griffin {args.command}: error: {_message(err)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    finally:
+        restore()
 
 
 if __name__ == "__main__":
