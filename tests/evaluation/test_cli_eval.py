@@ -75,3 +75,21 @@ def test_bad_input_is_refused_and_nothing_is_written(checkpoint, text, tmp_path,
            "--out", str(out / "r.json")], "missing task data")
     fails(["eval", "harness", checkpoint, "--tasks", "piqa", "--task-data", str(tmp_path),
            "--out", str(out / "r.json")], "griffin eval export-tasks DIR --tasks piqa")
+
+
+def test_data_prepared_with_another_tokenizer_is_refused(checkpoint, tmp_path, capsys, gen):
+    """A prepared dataset tokenized by a BPE tokenizer, evaluated with a byte-level checkpoint: refused before any
+    scoring, naming both vocabularies; nothing written."""
+    from griffin.data.tokenizer import train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def griffin(x):\n    return x + 1\n\n" * 50 + "class Hawk:\n    pass\n\n" * 50)
+    bpe = train_bpe([corpus], tmp_path / "bpe" / "tokenizer.json", vocab_size=300)
+    data = tmp_path / "data"
+    assert main(["prepare", str(corpus), "--out", str(data), "--tokenizer", str(bpe), "--val-fraction", "0.5"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "never"
+    assert main(["eval", "loss", checkpoint, "--data", str(data), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "was tokenized with another tokenizer" in err and "vocabulary 256" in err, err
+    assert not out.exists()

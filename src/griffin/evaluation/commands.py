@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from griffin.interop import DTYPES
 from griffin.io import write_json
 
 LOSS_JSON, POSITION_JSON, POSITION_PNG = "loss.json", "per_position.json", "per_position.png"
@@ -174,7 +175,7 @@ def _model_options(p: argparse.ArgumentParser, several: bool = True) -> None:
         p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to evaluate (overlaid in plots)")
         p.add_argument("--label", action="append", help="a name per checkpoint, in order (default: the family)")
     p.add_argument("--tokenizer", default="auto", help="'auto' (the checkpoint's own, else bytes), 'bytes' or a file")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="cast the weights")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast the weights")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--chunk-size", type=int, default=1024, help="tokens per forward pass (bounds memory)")
 

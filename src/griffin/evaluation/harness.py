@@ -55,7 +55,7 @@ class GriffinLM(TemplateLM):
     """A griffin checkpoint (``pretrained``: griffin, HF RecurrentGemma or official) or an in-memory ``model`` with
     its ``tokenizer`` (a Tokenizer, or a spec: ``auto`` = the checkpoint's own, ``bytes``, a file).
 
-    ``batch_size``: contexts prefilled together (and continuation rows run together); ``max_length``: truncate
+    ``batch_size``: contexts prefilled together (then all their continuations run together); ``max_length``: truncate
     (from the left) inputs longer than this many tokens, as the ``hf`` model does (default: no limit; Hawk and
     Griffin have none, MQA sizes its KV cache to the input); ``chunk_size``: prefill chunk (bounds memory);
     ``add_bos_token``: prepend the tokenizer's BOS (default: when it has one, as ``griffin prepare`` frames
@@ -197,23 +197,23 @@ class GriffinLM(TemplateLM):
         logits, cache = prefill(self.model, [list(c) for c in contexts],
                                 max_length=len(contexts[0]) + longest_cont, chunk_size=self.chunk_size)
         first = F.log_softmax(logits.float(), dim=-1)  # (contexts, V): the first continuation token's
-        for start in range(0, len(rows), self.batch_size):
-            chunk = rows[start : start + self.batch_size]
-            conts = [list(pairs[i][1]) for _, i in chunk]
-            rest = max(len(c) for c in conts) - 1
-            logp = None
-            if rest:  # the continuations without their last token, from the forked context states
-                ids = torch.zeros(len(chunk), rest, dtype=torch.long)
-                for r, cont in enumerate(conts):
-                    ids[r, : len(cont) - 1] = torch.tensor(cont[:-1])
-                fork = cache.select([g for g, _ in chunk])
-                logp = F.log_softmax(self.model(ids.to(self.device), cache=fork).float(), dim=-1)
-            for r, ((g, i), cont) in enumerate(zip(chunk, conts, strict=True)):
-                target = torch.tensor(cont, device=self.device)
-                steps = first[g][None] if logp is None else torch.cat([first[g][None], logp[r, : len(cont) - 1]])
-                total = float(steps.gather(-1, target[:, None]).sum())
-                greedy = bool((steps.argmax(-1) == target).all())
-                results[i] = (total, greedy)
+        # every continuation of these contexts in one forward pass (fewer, larger matrix products than
+        # batch_size rows at a time), from the forked context states
+        conts = [list(pairs[i][1]) for _, i in rows]
+        rest = max(len(c) for c in conts) - 1
+        logp = None
+        if rest:  # the continuations without their last token
+            ids = torch.zeros(len(rows), rest, dtype=torch.long)
+            for r, cont in enumerate(conts):
+                ids[r, : len(cont) - 1] = torch.tensor(cont[:-1])
+            fork = cache.select([g for g, _ in rows])
+            logp = F.log_softmax(self.model(ids.to(self.device), cache=fork).float(), dim=-1)
+        for r, ((g, i), cont) in enumerate(zip(rows, conts, strict=True)):
+            target = torch.tensor(cont, device=self.device)
+            steps = first[g][None] if logp is None else torch.cat([first[g][None], logp[r, : len(cont) - 1]])
+            total = float(steps.gather(-1, target[:, None]).sum())
+            greedy = bool((steps.argmax(-1) == target).all())
+            results[i] = (total, greedy)
 
     # loglikelihood_rolling -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 
 from griffin.data.tokenizer import Tokenizer, load_tokenizer
-from griffin.interop import load_pretrained
+from griffin.interop import load_pretrained, resolve_dtype
 from griffin.model import CausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -24,15 +23,10 @@ def tokenizer_spec(checkpoint: str | Path, spec: str = "auto") -> str:
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """A torch dtype from its name (``float32``, ``bfloat16``, ``float16``; ``auto``/None: as stored)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name == "auto":
+    """A torch dtype from its name (:data:`griffin.interop.DTYPES`) or itself; ``auto``/None: as stored."""
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") == "auto":
         return None
-    if name not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)} (or 'auto')")
-    return DTYPES[name]
+    return resolve_dtype(dtype)
 
 
 def load_for_eval(checkpoint: str | Path, tokenizer: str = "auto", dtype: str | torch.dtype | None = None,
