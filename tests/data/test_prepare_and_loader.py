@@ -345,8 +345,21 @@ def test_a_single_text_file_becomes_documents_with_a_validation_split(tmp_path):
     (tmp_path / "input.txt").write_text(text)
     meta = prepare([tmp_path / "input.txt"], tmp_path / "data", progress=False)
     splits = meta["splits"]
-    assert meta["piece_chars"] == 1 << 14 and splits["val"]["documents"] >= 1 and splits["train"]["documents"] >= 10
+    assert meta["piece_chars"] == len(text) // 50  # short: at least 50 pieces
+    assert splits["val"]["documents"] == 1 and splits["train"]["documents"] >= 49
     assert splits["train"]["tokens"] + splits["val"]["tokens"] == len(text.encode())
     whole = prepare([tmp_path / "input.txt"], tmp_path / "whole", progress=False, piece_chars=0)
     assert whole["splits"]["val"]["documents"] == 0  # asked not to cut: one document, no validation split
+
+
+def test_a_long_or_tiny_text_file_is_cut_into_bounded_pieces(tmp_path):
+    from griffin.data.dataset import MIN_PIECE_CHARS, PIECE_CHARS
+
+    long = "\n".join(f"line {i} of a long book" for i in range(60_000))  # ~1.4M characters
+    (tmp_path / "long.txt").write_text(long)
+    meta = prepare([tmp_path / "long.txt"], tmp_path / "long", progress=False)
+    assert meta["piece_chars"] == PIECE_CHARS and meta["splits"]["val"]["documents"] >= 2
+    (tmp_path / "tiny.txt").write_text("a few words\n" * 100)  # 1,200 characters: pieces of the minimum size
+    meta = prepare([tmp_path / "tiny.txt"], tmp_path / "tiny", progress=False)
+    assert meta["piece_chars"] == MIN_PIECE_CHARS and meta["splits"]["val"]["documents"] == 1
 

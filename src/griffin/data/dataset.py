@@ -34,7 +34,8 @@ FORMAT = "griffin-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 VAL_FRACTION = 0.02  # documents held out for validation, by default (prepare and train alike)
-PIECE_CHARS = 1 << 14  # a lone document is cut into pieces of about this many characters
+PIECE_CHARS = 1 << 14  # a lone document is cut into pieces of about this many characters,
+MIN_PIECES, MIN_PIECE_CHARS = 50, 256  # or of fewer (not under 256) so that it gives at least 50 pieces
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -165,9 +166,10 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     Documents go to the val split by a permutation seeded with ``seed`` (``round(n * val_fraction)`` of them, at
     least one when ``val_fraction > 0`` and there are two or more, never all). ``piece_chars`` cuts every document
     into pieces of about that many characters (:func:`griffin.data.sources.split_pieces`); by default only a single
-    document is cut (one text file: a book, nanoGPT's ``input.txt``), into pieces of ``PIECE_CHARS``, so that the
-    validation split holds some. The inputs are read twice (count, then tokenize), and the dataset is built in a
-    temporary directory that replaces ``out_dir`` only once complete."""
+    document is cut (one text file: a book, nanoGPT's ``input.txt``), into pieces of ``PIECE_CHARS`` (smaller for a
+    short text, so that there are at least ``MIN_PIECES``), so that the validation split holds some and not half.
+    The inputs are read twice (count, then tokenize), and the dataset is built in a temporary directory that
+    replaces ``out_dir`` only once complete."""
     from tqdm import tqdm
 
     if not 0 <= val_fraction < 1:
@@ -188,9 +190,11 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
         docs = iter_file_documents(files, text_field, sources)
         return split_pieces(docs, piece_chars) if piece_chars else docs
 
-    n_docs = sum(1 for _ in documents())
-    if piece_chars is None and n_docs == 1:
-        piece_chars = PIECE_CHARS
+    n_docs = n_chars = 0
+    for text in documents():
+        n_docs, n_chars = n_docs + 1, n_chars + len(text)
+    if piece_chars is None and n_docs == 1:  # pieces of PIECE_CHARS, or smaller so that a short text gives MIN_PIECES
+        piece_chars = max(MIN_PIECE_CHARS, min(PIECE_CHARS, n_chars // MIN_PIECES))
         n_docs = sum(1 for _ in documents())
     n_val = 0
     if val_fraction > 0 and n_docs >= 2:
