@@ -56,12 +56,17 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loss-chunk", type=int, default=4096, help="rows of logits at a time in the loss (0: all)")
     p.add_argument("--top", type=int, default=12, help="layouts shown (default: 12)")
     p.add_argument("--tp", type=int, default=0, help="evaluate this layout only (with --dp-shard, --dp-replicate)")
-    p.add_argument("--dp-shard", type=int, default=0)
-    p.add_argument("--dp-replicate", type=int, default=0)
+    p.add_argument("--dp-shard", type=int, default=0,
+                   help="evaluate one layout with this many ZeRO-3 shards (0: 1 when --tp or --dp-replicate is given)")
+    p.add_argument("--dp-replicate", type=int, default=0,
+                   help="evaluate one layout with this many replicas (0: the GPUs that tp and dp_shard leave)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (one layout)")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="count activations as recomputed per block (only block inputs kept)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="count norms and the residual stream split along the sequence over the tp devices")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="count FSDP's sharded parameters, gradients and optimizer states as held in CPU memory")
     p.add_argument("--json", metavar="PATH", help="also write every estimate as JSON")
     p.set_defaults(func=cmd_plan)
 
