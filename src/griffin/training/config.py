@@ -4,8 +4,9 @@ Precedence: the defaults below (the README's CPU demo) < a TOML file (``griffin 
 flags. Unknown keys and values of the wrong type are refused before anything runs, with the key named.
 
 Resuming (``griffin train --out OUT --resume``) starts from the run's saved configuration instead of the defaults:
-settings given again that define the run (:data:`RUN_KEYS`) must agree with it, the others (more steps, another
-device or layout, other logging intervals) may change; see :meth:`TrainConfig.resuming`.
+settings given again that define the run (:data:`RUN_KEYS`) must agree with it, the others (more steps, other
+logging intervals) may change, and the machine's (:data:`MACHINE_KEYS`: device, threads, layout) come from this
+run's own flags; see :meth:`TrainConfig.resuming`.
 """
 
 from __future__ import annotations
@@ -198,7 +199,8 @@ class TrainConfig:
         (:data:`RUN_KEYS`) must agree with the saved one, else a ValueError names the flag and both values; a
         ``model`` key given again is compared with ``trained_model`` (the checkpoint's ``config.json``)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        base = {k: v for k, v in saved.items() if k in names}  # a key an older version saved is dropped
+        # a key an older version saved is dropped; the machine's settings (device, threads, layout) are not inherited
+        base = {k: v for k, v in saved.items() if k in names and k not in MACHINE_KEYS}
         given = dict(given)
         model = given.pop("model", None) or {}
         for key in RUN_KEYS:
@@ -222,6 +224,12 @@ class TrainConfig:
 #: the trainer as the global batch, which may be split over another number of data-parallel ranks.
 RUN_KEYS = ("preset", "model", "data", "tokenizer", "val_fraction", "seq_len", "grad_accum", "lr", "min_lr_ratio",
             "warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "seed")
+
+
+#: Settings of the machine a run happens to use, not of the run: a resumed run takes them from its own flags (or the
+#: defaults), so that a run saved on 4 processes with tp = 2 resumes on one process without repeating them.
+MACHINE_KEYS = ("device", "threads", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing",
+                "cpu_offload")
 
 
 def _flag(key: str) -> str:
