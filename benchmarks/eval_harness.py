@@ -162,6 +162,12 @@ def main() -> None:
                 include_path=str(tmp / "tasks")), log_samples=True, bootstrap_iters=0)
             wall[name] = time.perf_counter() - start
 
+    # the tokens each model runs through its forward passes (bytes: one token each): hf every request whole (its
+    # last token predicts nothing), griffin each distinct context once, then each continuation but its last token
+    pairs = [(str(a[0]), str(a[1])) for smp in results["griffin"]["samples"]["arc_easy"] for a in smp["arguments"]]
+    hf_tokens = sum(len((ctx + cont).encode()) - 1 for ctx, cont in pairs)
+    griffin_tokens = sum(len(ctx.encode()) for ctx in {ctx for ctx, _ in pairs}) + \
+        sum(len(cont.encode()) - 1 for _, cont in pairs)
     samples = {n: sorted(r["samples"]["arc_easy"], key=lambda s: s["doc_id"]) for n, r in results.items()}
     lls = {n: np.array([[resp[0][0] for resp in s["resps"]] for s in ss]) for n, ss in samples.items()}
     diff = float(np.abs(lls["griffin"] - lls["hf"]).max())
@@ -175,12 +181,14 @@ def main() -> None:
     print(table(rows, [("model", "model", "s"), ("requests", "requests", "d"), ("acc", "acc", ".4f"),
                        ("acc_norm", "acc_norm", ".4f"), ("loglikelihood s", "loglikelihood_s", ".1f"),
                        ("loglikelihood CPU s", "loglikelihood_cpu_s", ".1f"), ("wall s", "wall_s", ".1f")]))
+    print(f"tokens run: hf {hf_tokens:,}, griffin {griffin_tokens:,} ({hf_tokens / griffin_tokens:.2f}x fewer)")
     print(f"max |griffin - hf| per-request loglikelihood: {diff:.2e}; griffin {speedup:.2f}x faster "
           f"(loglikelihood time), {speedup_cpu:.2f}x (its CPU time), {wall['hf'] / wall['griffin']:.2f}x (wall)")
     write_json(args.out, {"benchmark": "eval_harness", "machine": machine_info(torch.device("cpu")),
                           "checkpoint": args.checkpoint or f"random griffin-cpu {HF_OVERRIDES} seed {args.seed}",
                           "docs": args.docs, "batch_size": args.batch_size, "rows": rows,
-                          "max_abs_loglikelihood_diff": diff, "scores_equal": scores["griffin"] == scores["hf"],
+                          "max_abs_loglikelihood_diff": diff, "tokens_hf": hf_tokens, "tokens_griffin": griffin_tokens,
+                          "scores_equal": scores["griffin"] == scores["hf"],
                           "speedup_loglikelihood": speedup, "speedup_loglikelihood_cpu": speedup_cpu,
                           "threads": torch.get_num_threads(), "speedup_wall": wall["hf"] / wall["griffin"]})
     if diff > 1e-4 or scores["griffin"] != scores["hf"]:
