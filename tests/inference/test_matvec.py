@@ -116,3 +116,20 @@ def test_int8_needs_the_cpu_kernel(gen):
     on_meta = model.to("meta")  # an int8 model moved to a device without the kernel
     with pytest.raises(ValueError, match="CPU kernel only, and the model is on meta"):
         Decoder(on_meta, on_meta.init_cache(1, 8))
+
+
+def test_the_decode_copy_is_made_once_and_reused(gen):
+    """A caller that decodes many times (griffin serve) makes the decode copy once: a Decoder given that copy uses it
+    as it is, for float and int8 models alike, and steps equal those of a Decoder that makes its own copy."""
+    from griffin.inference.generate import decode_model, is_swapped
+
+    for model in (tiny("griffin", gen), quantize_int8(tiny("griffin", gen), group_size=8)):
+        copy = decode_model(model, 4, matvec=True)
+        assert is_swapped(copy) and not is_swapped(model) and decode_model(copy, 2) is copy
+        prompts = torch.randint(0, model.config.vocab_size, (2, 5), generator=gen)
+        _, cache = prefill(model, prompts)
+        _, own = prefill(model, prompts)
+        reused, fresh = Decoder(copy, cache, matvec=False), Decoder(model, own, matvec=True)
+        assert reused.model is copy
+        tokens = prompts[:, -1]
+        torch.testing.assert_close(reused(tokens), fresh(tokens), atol=0, rtol=0)

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from griffin.cache import Cache
-from griffin.inference.matvec import matvec_swapped
-from griffin.inference.prepack import can_prepack, prepacked
+from griffin.inference.matvec import MatvecLinear, matvec_swapped
+from griffin.inference.prepack import PackedLinear, can_prepack, prepacked
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
 
@@ -194,6 +194,31 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def is_swapped(model: nn.Module) -> bool:
+    """Whether ``model`` is already a decode copy (:func:`decode_model`): its matmuls swapped for the CPU kernels."""
+    return any(isinstance(m, (MatvecLinear, PackedLinear)) for m in model.modules())
+
+
+def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
+                 matvec: bool | None = None) -> nn.Module:
+    """The model a decode step of ``batch_size`` rows runs (see :class:`Decoder`): a copy sharing its tensors whose
+    matmuls run through the matvec kernel (``matvec``; default: int8 models, and at batch <= MATVEC_MAX_BATCH models
+    of at least MATVEC_MIN_BYTES, on CPU) or oneDNN's prepacked weights (``prepack``; default: other float CPU
+    models), or ``model`` itself. A model already swapped is returned as it is, so that a caller that decodes many
+    times (``griffin serve``) makes the copy once."""
+    if is_swapped(model):
+        return model
+    quantized = quantization_of(model) is not None
+    if matvec is None:
+        matvec = model.device.type == "cpu" and (quantized or (
+            batch_size <= MATVEC_MAX_BATCH and weight_bytes(model) >= MATVEC_MIN_BYTES))
+    if matvec:
+        return matvec_swapped(model)
+    if prepack is None:
+        prepack = not quantized and can_prepack(model.output_weight)
+    return prepacked(model, batch_size) if prepack else model
+
+
 class Decoder:
     """One-token decode steps on ``cache`` (Section 5): ``decoder(tokens)`` with tokens (B,) returns the logits
     (B, vocab) of the next ones and advances the cache in place. A step is the model's forward pass on one token per
@@ -218,7 +243,7 @@ class Decoder:
                  matvec: bool | None = None) -> None:
         model.check_cache(cache, cache.batch_size)
         quantized = quantization_of(model)
-        if quantized is not None and (model.device.type != "cpu" or matvec is False):
+        if quantized is not None and (model.device.type != "cpu" or (matvec is False and not is_swapped(model))):
             where = f"the model is on {model.device}" if model.device.type != "cpu" else "matvec=False"
             raise ValueError(f"{quantized['method']} weights decode with the CPU kernel only, and {where}: decode "
                              "the float model on this device, or the quantised one on the CPU")
@@ -227,15 +252,7 @@ class Decoder:
                 raise ValueError("decoding continues the documents in the cache: prefill at least one token per row "
                                  "(e.g. a BOS token) first")
             cache.started = True
-        if matvec is None:
-            matvec = model.device.type == "cpu" and (quantized is not None or (
-                cache.batch_size <= MATVEC_MAX_BATCH and weight_bytes(model) >= MATVEC_MIN_BYTES))
-        if prepack is None:
-            prepack = not matvec and quantized is None and can_prepack(model.output_weight)
-        if matvec:
-            self.model = matvec_swapped(model)
-        else:
-            self.model = prepacked(model, cache.batch_size) if prepack else model
+        self.model = decode_model(model, cache.batch_size, prepack, matvec)
         self.cache, self.compile = cache, compile
         if compile:
             self.step = compiled_forward(model.device)

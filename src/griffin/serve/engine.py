@@ -36,7 +36,7 @@ from torch import Tensor
 from griffin.cache import Cache
 from griffin.data.tokenizer import Tokenizer
 from griffin.inference import Decoder
-from griffin.inference.prepack import can_prepack, prepacked
+from griffin.inference.generate import decode_model
 from griffin.model import CausalLM
 from griffin.serve.metrics import Histogram, Metrics
 from griffin.serve.prefix_cache import PrefixCache
@@ -230,7 +230,8 @@ class Engine:
         prefill_chunk: prompt tokens per forward pass and, about, per engine step.
         prefix_cache_bytes: budget of the prefix-state cache (0 disables it).
         compile: decode with the ``torch.compile``d step, for batch sizes rounded up to powers of two.
-        prepack: prepacked CPU matmuls for the decode step (default: where oneDNN can).
+        prepack: prepacked CPU matmuls for the decode step (default: where oneDNN can); int8 models decode with the
+            matvec kernel (:func:`griffin.inference.generate.decode_model`, made once here).
         request_timeout: seconds a request may take from its arrival (None: no limit).
     """
 
@@ -256,9 +257,8 @@ class Engine:
         self.prefill_chunk, self.compile, self.request_timeout = prefill_chunk, compile, request_timeout
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.device = model.device
-        if prepack is None:
-            prepack = can_prepack(model.output_weight)
-        self.step_model = prepacked(model, max_batch) if prepack else model
+        # the decode copy of the model (matvec kernel or prepacked matmuls), made once: every step reuses it
+        self.step_model = decode_model(model, max_batch, prepack)
         self.cache = model.init_cache(max_batch, self.max_length)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.rows: list[_Seq] = []
@@ -370,7 +370,7 @@ class Engine:
             scratch = self.model.init_cache(size, self.max_length)
             with torch.no_grad():
                 self.model(torch.zeros(size, 1, dtype=torch.long, device=self.device), cache=scratch)
-                Decoder(self.step_model, scratch, compile=self.compile, prepack=False)(
+                Decoder(self.step_model, scratch, compile=self.compile, prepack=False, matvec=False)(
                     torch.zeros(size, dtype=torch.long, device=self.device))
 
     # The engine thread ------------------------------------------------------------------------------------------
@@ -556,7 +556,8 @@ class Engine:
             for block in view.blocks:
                 if hasattr(block, "count"):
                     block.count[n:].zero_()
-        logits = Decoder(self.step_model, view, compile=self.compile, prepack=False)(tokens.to(self.device))[:n]
+        decoder = Decoder(self.step_model, view, compile=self.compile, prepack=False, matvec=False)
+        logits = decoder(tokens.to(self.device))[:n]
         for s in self.rows:
             s.cached += 1
         rows = list(self.rows)
