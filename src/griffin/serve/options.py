@@ -88,7 +88,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/serving.md)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token to text prompts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's and the engine's log level")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
