@@ -262,3 +262,24 @@ def test_first_ctrl_c_restores_the_default_handler():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, original)
+
+
+def test_every_option_of_every_command_has_help():
+    """Sub-commands added by other packages (serve, synth, eval, plan) and their own sub-commands included."""
+    import argparse
+
+    from griffin.cli import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, (*path, name))
+            else:
+                yield path, action
+
+    seen = set()
+    for path, action in walk(build_parser(), ()):
+        seen.add(path[:1])
+        assert action.help and action.help.strip(), (" ".join(path), action.option_strings or action.dest)
+    assert {("serve",), ("synth",), ("eval",), ("plan",)} <= seen
