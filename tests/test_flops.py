@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from griffin.flops import (
     COMPONENTS,
     ELEMENTWISE_KEYS,
     MATMUL_KEYS,
+    cpu_isa_peak,
     flops_per_token,
     matmul_flops_per_token,
     mean_keys_seen,
@@ -180,13 +180,26 @@ def test_model_flops_utilization():
         model_flops_utilization(config, 64, 1000.0, 0.0)
 
 
-def test_peak_flops_on_cpu_is_measured():
-    start = time.perf_counter()
+def test_peak_flops_on_cpu_cannot_read_below_a_measured_matmul():
+    from griffin.flops import _measured_peak
+
     rate, source = peak_flops("cpu", torch.float32)
-    assert time.perf_counter() - start < 2.0  # ~0.3 s, plus slack for a loaded machine
-    assert rate > 1e8
-    assert source == "measured: 1024^3 fp32 matmul"
+    measured = _measured_peak("cpu", torch.float32, 1024, 0.25)  # the cached measurement peak_flops made
+    assert rate >= measured > 1e8
+    assert source.startswith("ISA peak: ") or source == "measured: 1024^3 fp32 matmul"
     assert peak_flops(torch.device("cpu"), torch.float32) == (rate, source)  # cached
+
+
+def test_cpu_isa_peak_from_cpuinfo():
+    info = "processor\t: 0\ncpu MHz\t\t: 2596.130\nflags\t\t: fpu sse2 avx fma avx2 avx512f avx512_bf16\n"
+    rate, source = cpu_isa_peak(torch.float32, 2, info)
+    assert rate == pytest.approx(2 * 2.59613e9 * 64)
+    assert source == "ISA peak: 2 threads x 2.60 GHz x 64 fp32 FLOP/cycle (AVX-512)"
+    assert cpu_isa_peak(torch.bfloat16, 1, info)[0] == pytest.approx(2.59613e9 * 128)
+    avx2 = info.replace(" avx512f avx512_bf16", "")
+    assert cpu_isa_peak(torch.float32, 4, avx2)[0] == pytest.approx(4 * 2.59613e9 * 32)
+    assert cpu_isa_peak(torch.bfloat16, 4, avx2)[0] == pytest.approx(4 * 2.59613e9 * 32)  # no bf16 units
+    assert cpu_isa_peak(torch.float32, 2, "processor\t: 0\n") is None  # no clock listed: measured instead
 
 
 def test_gpu_table():

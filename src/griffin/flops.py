@@ -185,16 +185,43 @@ def _measured_peak(device: str, dtype: torch.dtype, size: int, budget_s: float) 
     return 2.0 * size**3 / best
 
 
+def cpu_isa_peak(dtype: torch.dtype, threads: int, cpuinfo: str | None = None) -> tuple[float, str] | None:
+    """An upper bound of a CPU's FLOP/s from ``/proc/cpuinfo`` (Linux; None elsewhere): ``threads`` × the highest
+    listed clock × the FLOPs one core can issue per cycle given its vector ISA (AVX-512: 64 fp32, AVX2 + FMA: 32, AVX:
+    16, else 8; twice that in bf16 with AVX-512 BF16 or AMX). A data-sheet-style peak: no load on the machine can
+    lower it, so utilization against it never reads above 100% (cores that split 512-bit work or run below that clock
+    make it an overestimate)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    clocks = [float(m) for m in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", cpuinfo, re.M)]
+    flags_line = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    if not clocks or flags_line is None or threads < 1:
+        return None
+    flags = set(flags_line.group(1).split())
+    isa, per_cycle = next((name, n) for name, n, need in (
+        ("AVX-512", 64, {"avx512f"}), ("AVX2+FMA", 32, {"avx2", "fma"}), ("AVX", 16, {"avx"}), ("SSE", 8, set()))
+        if need <= flags)
+    if dtype == torch.bfloat16 and flags & {"avx512_bf16", "amx_bf16"}:
+        per_cycle, isa = 2 * per_cycle, isa + " BF16"
+    ghz = max(clocks) / 1e3
+    rate = threads * ghz * 1e9 * per_cycle
+    return rate, f"ISA peak: {threads} threads x {ghz:.2f} GHz x {per_cycle} {_dtype_name(dtype)} FLOP/cycle ({isa})"
+
+
 def peak_flops(device: torch.device | str, dtype: torch.dtype, *, budget_s: float = 0.25,
                refresh: bool = False) -> tuple[float, str]:
     """The peak FLOP/s to measure utilization against, and where it comes from.
 
     Known NVIDIA GPUs: the data sheet's dense peak (``"table: NVIDIA H100 SXM bf16 dense"``; float32 counts as tf32
-    when PyTorch lets matmuls use it). Anything else (CPUs, unknown GPUs): the best rate of repeated square matmuls
-    in ``dtype`` (1024 on CPU, 4096 on GPU) for about ``budget_s`` seconds after a warm-up, e.g.
-    ``"measured: 1024^3 fp32 matmul"``; cached per device and dtype unless ``refresh``. That is an achievable rate,
-    not a data-sheet peak, so utilization against it reads higher; on a shared machine it is also only as good as
-    the moment it was measured at.
+    when PyTorch lets matmuls use it). CPUs: the larger of :func:`cpu_isa_peak` (for torch's threads) and the best
+    rate of repeated 1024^3 matmuls, so that a machine busy with other work while it is measured cannot make the
+    peak low and utilization read above 100%. Unknown GPUs: the best rate of repeated 4096^3 matmuls in ``dtype`` for
+    about ``budget_s`` seconds after a warm-up (``"measured: 4096^3 bf16 matmul"``), an achievable rate rather than a
+    data-sheet peak. Measurements are cached per device and dtype unless ``refresh``.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -208,10 +235,12 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, *, budget_s: floa
     if refresh:
         _measured_peak.cache_clear()
     rate = _measured_peak(str(device), dtype, size, budget_s)
-    return rate, f"measured: {size}^3 {_dtype_name(dtype)} matmul"
+    measured = rate, f"measured: {size}^3 {_dtype_name(dtype)} matmul"
+    isa = cpu_isa_peak(dtype, torch.get_num_threads()) if device.type == "cpu" else None
+    return isa if isa is not None and isa[0] > rate else measured
 
 
 __all__ = [
-    "ATTENTION_KEYS", "COMPONENTS", "ELEMENTWISE_KEYS", "MATMUL_KEYS", "flops_per_token", "matmul_flops_per_token",
-    "mean_keys_seen", "model_flops_utilization", "peak_flops", "training_flops_per_token",
+    "ATTENTION_KEYS", "COMPONENTS", "ELEMENTWISE_KEYS", "MATMUL_KEYS", "cpu_isa_peak", "flops_per_token",
+    "matmul_flops_per_token", "mean_keys_seen", "model_flops_utilization", "peak_flops", "training_flops_per_token",
 ]
