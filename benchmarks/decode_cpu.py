@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as griffin sets it, but torch is imported first here
+
+import torch  # noqa: E402
 
 from griffin import CausalLM, ModelConfig, generate_stream
 from griffin.inference.generate import weight_bytes
