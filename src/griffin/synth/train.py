@@ -32,7 +32,7 @@ RESULT_FILE = "result.json"
 # vocabulary 64 and 4 pairs: the commands are there), so that one family trains in minutes on 2 shared cores. The
 # paper does not state its budget. Every value can be overridden.
 BUDGETS: dict[str, dict[str, Any]] = {
-    "selective_copying": {"steps": 600, "batch_size": 16, "lr": 3e-3, "eval_every": 50, "eval_sequences": 64},
+    "selective_copying": {"steps": 2000, "batch_size": 16, "lr": 3e-3, "eval_every": 100, "eval_sequences": 64},
     "induction_heads": {"steps": 1500, "batch_size": 32, "lr": 3e-3, "eval_every": 50, "eval_sequences": 128},
     "mqar": {"steps": 400, "batch_size": 32, "lr": 3e-3, "eval_every": 50, "eval_sequences": 64},
 }
