@@ -126,3 +126,12 @@ def test_eval_refuses_a_length_the_task_cannot_have(tmp_path, capsys):
     assert main(["synth", "eval", str(run), "--lengths", "64", "7", "--no-progress"]) == 2
     assert "seq_len=7 is too short" in capsys.readouterr().err
     assert not (run / "lengths.json").exists()
+
+
+def test_default_window_is_at_most_half_the_sequence():
+    from griffin.synth.tasks import make_task
+    from griffin.synth.train import resolve_options
+
+    assert resolve_options(make_task("selective_copying"))["window"] == 512  # the paper's, at T = 1024
+    assert resolve_options(make_task("selective_copying", seq_len=64, num_data=8))["window"] == 32
+    assert resolve_options(make_task("selective_copying", seq_len=64, num_data=8), window=48)["window"] == 48

@@ -41,7 +41,9 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the training stream")
     g.add_argument("--eval-every", type=int, help="evaluate on the fixed held-out set every N steps")
     g.add_argument("--eval-sequences", type=int, help="sequences in the held-out set")
-    g.add_argument("--window", type=int, help="Griffin's local-attention window (512 / 128 / 128)")
+    g.add_argument("--window", type=int,
+                   help="Griffin's local-attention window (default: the paper's, 512 / 128 / 128, at most half of "
+                        "--seq-len)")
     g.add_argument("--model", action="append", metavar="KEY=VALUE",
                    help="ModelConfig fields overriding the preset, e.g. width=128 (repeatable)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")

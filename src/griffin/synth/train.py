@@ -75,7 +75,9 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
     opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
                             "eval_sequences": eval_sequences}
     opts = {k: budget[k] if v is None else v for k, v in opts.items()}
-    opts["window"] = task.window if window is None else window
+    # default: the paper's window for the task, at most half the sequence (the paper's ratio), so that a shorter
+    # --seq-len keeps attention local
+    opts["window"] = min(task.window, max(1, task.seq_len // 2)) if window is None else window
     for name in ("steps", "batch_size", "eval_every", "eval_sequences", "window"):
         value = opts[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
