@@ -3,6 +3,7 @@ either the old file or the new one, never half of one), and read with errors tha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -63,3 +64,20 @@ def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             raise
         raise FileFormatError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from None
 
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in blocks (checkpoint manifests)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entry to disk (so that a rename after it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -16,7 +16,6 @@ HF checkpoint).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from griffin.config import ModelConfig
 from griffin.interop import CheckpointError
-from griffin.io import write_json, write_safetensors
+from griffin.io import fsync_path, sha256_file, write_json, write_safetensors
 from griffin.model import CausalLM
 
 METADATA = ".metadata"
@@ -76,25 +75,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _file_info(path: Path) -> dict[str, Any]:
-    _fsync(path)
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    fsync_path(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 class _Writer(FileSystemWriter):
@@ -195,8 +182,8 @@ def save_sharded(path: str | Path, model: CausalLM, optimizer: torch.optim.Optim
             if p.name not in files:
                 files[p.name] = _file_info(p)
         write_json(tmp / MANIFEST, {"step": trainer_state.get("step"), "format": "dcp", "files": files})
-        _fsync(tmp / MANIFEST)
-        _fsync(tmp)
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)
         if final.exists():
             old = final.parent / f".old-{final.name}"
             if old.exists():
@@ -206,7 +193,7 @@ def save_sharded(path: str | Path, model: CausalLM, optimizer: torch.optim.Optim
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
     _barrier()
     return final
 

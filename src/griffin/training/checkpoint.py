@@ -15,7 +15,6 @@ corrupted, or missing a file) is refused with the file named. ``latest`` and ``b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from griffin.interop import CheckpointError, save_pretrained
+from griffin.io import fsync_path, sha256_file
 from griffin.model import CausalLM
 
 MANIFEST = "manifest.json"
@@ -48,20 +48,8 @@ def fault_point(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # Optimizer and RNG state as flat tensors -------------------------------------------------------------
@@ -124,11 +112,11 @@ def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: tor
             shutil.copy2(source, tmp / name)
         files = {}
         for path in sorted(tmp.iterdir()):
-            _fsync(path)
-            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            fsync_path(path)
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
-        _fsync(tmp / MANIFEST)
-        _fsync(tmp)
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)
         if final.exists():  # the same step written again after a resume: swap, then drop the old one
             old = root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
@@ -136,7 +124,7 @@ def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: tor
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -198,7 +186,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         size = file.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(f"{path}: {name} is {size} bytes, the manifest says {info['bytes']} (truncated?)")
-        if _sha256(file) != info["sha256"]:
+        if sha256_file(file) != info["sha256"]:
             raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (corrupted)")
     return manifest
 
