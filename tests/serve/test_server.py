@@ -217,14 +217,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
 
 
 def test_a_full_queue_answers_429_with_retry_after(gen):
-    running = start_server(tiny_model(gen), max_batch=1, max_queue=1)
+    # requests that cannot end while the test runs (a loaded host decoded 4,000 tokens before the queue was seen full)
+    running = start_server(tiny_model(gen), max_batch=1, max_queue=1, max_tokens_limit=10**7)
     try:
-        long = {"model": "tiny", "prompt": "a", "max_tokens": 4000, "temperature": 0, "timeout": 60}
+        long = {"model": "tiny", "prompt": "a", "max_tokens": 10**7, "temperature": 0, "timeout": 120}
         threads = [threading.Thread(target=running.request, args=("POST", "/v1/completions", long))
                    for _ in range(2)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while (running.engine.running, running.engine.queue_length) != (1, 1):
             assert time.monotonic() < deadline, "the two long requests did not fill the row and the queue"
             time.sleep(0.01)
