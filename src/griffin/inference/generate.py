@@ -184,10 +184,6 @@ def _decode_forward(model: nn.Module, tokens: Tensor, cache: Cache) -> Tensor:
     return model(tokens[:, None], cache=cache)[:, -1]
 
 
-MATVEC_MAX_BATCH = 8  # rows up to which the matvec kernel beats oneDNN's prepacked matmul (docs/performance.md)
-MATVEC_MIN_BYTES = 64 << 20  # weights from which a step is bound by reading them (beyond the last-level cache)
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (what a decode step reads, caches aside)."""
     tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
@@ -202,16 +198,15 @@ def is_swapped(model: nn.Module) -> bool:
 def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
                  matvec: bool | None = None) -> nn.Module:
     """The model a decode step of ``batch_size`` rows runs (see :class:`Decoder`): a copy sharing its tensors whose
-    matmuls run through the matvec kernel (``matvec``; default: int8 models, and at batch <= MATVEC_MAX_BATCH models
-    of at least MATVEC_MIN_BYTES, on CPU) or oneDNN's prepacked weights (``prepack``; default: other float CPU
-    models), or ``model`` itself. A model already swapped is returned as it is, so that a caller that decodes many
-    times (``griffin serve``) makes the copy once."""
+    matmuls run through the matvec kernel (``matvec``; default: int8 models on CPU, the only kernel that reads int8;
+    for float weights it is slower than oneDNN's prepacked matmul today, docs/performance.md "CPU decode at 1-3B")
+    or oneDNN's prepacked weights (``prepack``; default: float CPU models), or ``model`` itself. A model already
+    swapped is returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
     if is_swapped(model):
         return model
     quantized = quantization_of(model) is not None
     if matvec is None:
-        matvec = model.device.type == "cpu" and (quantized or (
-            batch_size <= MATVEC_MAX_BATCH and weight_bytes(model) >= MATVEC_MIN_BYTES))
+        matvec = model.device.type == "cpu" and quantized
     if matvec:
         return matvec_swapped(model)
     if prepack is None:
@@ -229,9 +224,8 @@ class Decoder:
     cache's room; token ids are not checked (they are sampled from the model's own logits).
 
     The weight matmuls, on CPU, run on a copy of the model that shares its tensors, made here (later changes of the
-    weights are not seen): ``matvec`` (default: at batch <= :data:`MATVEC_MAX_BATCH` for models of at least
-    :data:`MATVEC_MIN_BYTES` of weights, and always for int8 models) reads each weight once from memory, the layers
-    that share an input fused into one call (:func:`griffin.inference.matvec.matvec_swapped`); otherwise
+    weights are not seen): ``matvec`` (default: int8 models; see :func:`decode_model`) reads each weight once, the
+    layers that share an input fused into one call (:func:`griffin.inference.matvec.matvec_swapped`); otherwise
     ``prepack`` (default: on CPU) holds the weights laid out for oneDNN (:func:`griffin.inference.prepack.prepacked`),
     as large as the weights while the decoder lives (pass ``prepack=False`` where memory is tight). Both equal the
     plain path up to float32 rounding. An int8 model (:func:`griffin.quantize.quantize_int8`) decodes on CPU only.
