@@ -133,3 +133,25 @@ def test_the_decode_copy_is_made_once_and_reused(gen):
         assert reused.model is copy
         tokens = prompts[:, -1]
         torch.testing.assert_close(reused(tokens), fresh(tokens), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["griffin", "mqa"])
+def test_int8_bfloat16_step_through_pytorchs_int8_kernel(gen, family):
+    """In bfloat16, int8 layers with per-channel scales and an input width divisible by 16 decode through PyTorch's
+    own int8 matmul (the others through the numba kernel): the step equals the int8 model's forward pass up to
+    bfloat16 rounding (scales rounded to bfloat16 too)."""
+    from griffin.inference.matvec import Int8PackLinear
+
+    model = quantize_int8(tiny(family, gen, torch.bfloat16))
+    swapped = matvec_swapped(model)
+    kinds = {type(m).__name__ for m in swapped.modules()}
+    assert "Int8PackLinear" in kinds  # input widths 16 and 48
+    assert ("MatvecLinear" in kinds) == (family == "griffin")  # the recurrent block's output layer reads 24
+    assert all(m.weight.shape[1] % 16 == 0 for m in swapped.modules() if isinstance(m, Int8PackLinear))
+    prompts = torch.randint(0, 32, (3, 7), generator=gen)
+    tokens = reference_tokens(model, prompts, 6)
+    got = decode(model, prompts, tokens)
+    _, cache = prefill(model, prompts, max_length=20)
+    with torch.no_grad():
+        ref = torch.stack([model(t[:, None], cache=cache)[:, -1].float() for t in tokens])
+    assert (got - ref).abs().max() <= 3e-2 * ref.abs().max()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from griffin.cache import Cache
-from griffin.inference.matvec import MatvecLinear, matvec_swapped
+from griffin.inference.matvec import Int8PackLinear, MatvecLinear, matvec_swapped
 from griffin.inference.prepack import PackedLinear, can_prepack, prepacked
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
@@ -192,7 +192,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def is_swapped(model: nn.Module) -> bool:
     """Whether ``model`` is already a decode copy (:func:`decode_model`): its matmuls swapped for the CPU kernels."""
-    return any(isinstance(m, (MatvecLinear, PackedLinear)) for m in model.modules())
+    return any(isinstance(m, (Int8PackLinear, MatvecLinear, PackedLinear)) for m in model.modules())
 
 
 def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,

@@ -73,6 +73,38 @@ class MatvecLinear(nn.Module):
         return f"in_features={self.prepared.in_features}, out_features={self.sizes}"
 
 
+def can_int8pack(layer: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether PyTorch's own weight-only int8 CPU matmul (``torch._weight_int8pack_mm``, the kernel gpt-fast and
+    torchao use) computes ``layer`` for activations of ``dtype``: an int8 layer with one scale per output channel on
+    CPU, bfloat16 activations (in float32 the kernel is slower than :class:`MatvecLinear`), and an input width that
+    is a multiple of 16 (other widths give wrong results or crash it)."""
+    return (isinstance(layer, (Int8Linear, Int8TiedOutput)) and dtype == torch.bfloat16
+            and hasattr(torch, "_weight_int8pack_mm") and layer.weight.device.type == "cpu"
+            and layer.weight_scale.shape[1] == 1 and layer.weight.shape[1] % 16 == 0)
+
+
+class Int8PackLinear(nn.Module):
+    """An int8 layer (weights shared) through ``torch._weight_int8pack_mm``: bfloat16 ``x W^T`` times each output
+    channel's scale (rounded to bfloat16), plus the bias. Equal to the dequantised layer up to bfloat16 rounding."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.register_buffer("weight", layer.weight, persistent=False)
+        self.register_buffer("scale", layer.weight_scale[:, 0].to(torch.bfloat16), persistent=False)
+        self.bias = layer.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"Int8PackLinear computes bfloat16 activations, got {x.dtype}")
+        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
+
+
 def _fusable(layers: list[nn.Module]) -> bool:
     if not all(can_matvec(layer) for layer in layers):
         return False
@@ -86,14 +118,20 @@ def matvec_swapped(model: nn.Module) -> nn.Module:
     docstring); layers the kernel cannot read are left as they are."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     clone = copy.deepcopy(model, memo)
+    dtype = getattr(model, "dtype", None)  # the activations' (CausalLM)
     fused: set[int] = set()
     for module in list(clone.modules()):  # groups first, so that their layers are still the original ones
         for name, child in list(module.named_children()):
-            if isinstance(child, LinearGroup) and _fusable(layers := child.layers()):
+            if isinstance(child, LinearGroup) and _fusable(layers := child.layers()) and not all(
+                    can_int8pack(layer, dtype) for layer in layers):
                 setattr(module, name, MatvecLinear(layers, group=True))
                 fused.update(id(layer) for layer in layers)
     for module in list(clone.modules()):
         for name, child in list(module.named_children()):
-            if id(child) not in fused and can_matvec(child):
+            if id(child) in fused:
+                continue
+            if can_int8pack(child, dtype):  # faster than the numba kernel for int8 in bfloat16 (docs/performance.md)
+                setattr(module, name, Int8PackLinear(child))
+            elif can_matvec(child):
                 setattr(module, name, MatvecLinear([child]))
     return clone
