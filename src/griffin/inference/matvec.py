@@ -12,7 +12,10 @@ tensor, in which
 whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The kernel is
 :mod:`griffin.ops.matvec.cpu`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results equal
 the layers' own up to float32 rounding (the sums' order); the layers' biases and int8 scales are copied (concatenated)
-here, so later changes to those are not seen (make a new copy after training).
+here, so later changes to those are not seen (make a new copy after training). Int8 layers of a bfloat16 model with
+per-channel scales and an input width divisible by 16 run instead through PyTorch's own int8 matmul
+(:class:`Int8PackLinear`), faster than this kernel there. The :class:`griffin.inference.Decoder` uses this swap for
+int8 models; float models decode faster through oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
 """
 
 from __future__ import annotations
