@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("quantize", help="write a checkpoint with weight-only int8 weights (half the memory of "
-                       "bfloat16; its CPU decode kernel is still slower than bfloat16's, docs/performance.md)")
+                       "bfloat16; CPU decoding about 1.6x bfloat16's at batch 1, slower at batch 8: "
+                       "docs/performance.md)")
     p.add_argument("src", help="a float checkpoint (griffin, HF RecurrentGemma or official)")
     p.add_argument("dst", help="output directory (griffin format: int8 weights and their float32 scales)")
     p.add_argument("--int8", action="store_true", help="weight-only int8: linear layers, embedding and output layer")
