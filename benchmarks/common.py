@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -18,19 +17,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from griffin.flops import cpu_name
+
 
 # Machine -----------------------------------------------------------------------------------------------------
-def cpu_name() -> str:
-    """The CPU model name (as ``lscpu`` prints it)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info(device: torch.device) -> dict[str, Any]:
     """CPU, cores, torch threads and version, device (and GPU name), load average: what a result was measured on."""
     info: dict[str, Any] = dict(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads(),

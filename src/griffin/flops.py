@@ -23,6 +23,7 @@ the RG-LRU O(T·D), global attention O(T²·D) (per token: grows linearly in T) 
 from __future__ import annotations
 
 import functools
+import platform
 import re
 import time
 
@@ -185,6 +186,18 @@ def _measured_peak(device: str, dtype: torch.dtype, size: int, budget_s: float) 
     return 2.0 * size**3 / best
 
 
+def cpu_name() -> str:
+    """The CPU's model name (as ``lscpu`` prints it), for the machine line of a measurement."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def cpu_isa_peak(dtype: torch.dtype, threads: int, cpuinfo: str | None = None) -> tuple[float, str] | None:
     """An upper bound of a CPU's FLOP/s from ``/proc/cpuinfo`` (Linux; None elsewhere): ``threads`` × the highest
     listed clock × the FLOPs one core can issue per cycle given its vector ISA (AVX-512: 64 fp32, AVX2 + FMA: 32, AVX:
@@ -241,6 +254,6 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype, *, budget_s: floa
 
 
 __all__ = [
-    "ATTENTION_KEYS", "COMPONENTS", "ELEMENTWISE_KEYS", "MATMUL_KEYS", "cpu_isa_peak", "flops_per_token",
+    "ATTENTION_KEYS", "COMPONENTS", "ELEMENTWISE_KEYS", "MATMUL_KEYS", "cpu_isa_peak", "cpu_name", "flops_per_token",
     "matmul_flops_per_token", "mean_keys_seen", "model_flops_utilization", "peak_flops", "training_flops_per_token",
 ]

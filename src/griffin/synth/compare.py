@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from griffin.config import FAMILIES
+from griffin.flops import cpu_name
 from griffin.interop import load_pretrained
 from griffin.io import atomic_write, write_json
 from griffin.synth.evaluate import evaluate_lengths
@@ -121,7 +122,7 @@ def compare(task: Task, out: str | Path, families: Sequence[str] = FAMILIES, *, 
     summary = {"task": task.to_dict(), "families": list(families), "options": options,
                "lengths": lengths, "attention_max_length": attention_max_length,
                "eval_length_sequences": eval_length_sequences,
-               "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+               "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                            "torch": torch.__version__, "platform": platform.platform()},
                "runs": rows}
     write_json(out / "compare.json", summary)
@@ -131,13 +132,3 @@ def compare(task: Task, out: str | Path, families: Sequence[str] = FAMILIES, *, 
 
 def _block_types(directory: Path) -> tuple[str, ...]:
     return tuple(json.loads((directory / "config.json").read_text())["block_types"])
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
