@@ -221,14 +221,15 @@ def test_a_full_queue_answers_429_with_retry_after(gen):
     running = start_server(tiny_model(gen), max_batch=1, max_queue=1, max_tokens_limit=10**7)
     try:
         long = {"model": "tiny", "prompt": "a", "max_tokens": 10**7, "temperature": 0, "timeout": 120}
-        threads = [threading.Thread(target=running.request, args=("POST", "/v1/completions", long))
-                   for _ in range(2)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while (running.engine.running, running.engine.queue_length) != (1, 1):
-            assert time.monotonic() < deadline, "the two long requests did not fill the row and the queue"
-            time.sleep(0.01)
+        threads = []
+        # one at a time: a second request sent while the first still waits for the row would itself get the 429
+        for wanted in ((1, 0), (1, 1)):
+            threads.append(threading.Thread(target=running.request, args=("POST", "/v1/completions", long)))
+            threads[-1].start()
+            deadline = time.monotonic() + 60
+            while (running.engine.running, running.engine.queue_length) != wanted:
+                assert time.monotonic() < deadline, f"the long requests did not reach (running, queued) = {wanted}"
+                time.sleep(0.01)
         status, headers, text = running.request("POST", "/v1/completions", {"model": "tiny", "prompt": "b"})
         assert status == 429 and int(headers["retry-after"]) >= 1
         assert json.loads(text)["error"]["type"] == "rate_limit_error"
