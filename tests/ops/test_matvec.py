@@ -69,7 +69,8 @@ def test_quantize_int8_rounds_within_half_a_step(gen, group_size):
     assert scale.shape == (20, 1 if group_size == 0 else 48 // group_size) and scale.dtype == torch.float32
     back = dequantize_int8(q, scale)
     step = scale.repeat_interleave(48 // scale.shape[1], 1)
-    assert ((back - w).abs() <= step / 2 * (1 + 1e-6)).all()
+    # half a step, plus float32 rounding of w / scale and q * scale near a tie (|w| up to 127 steps: ~1e-5 steps)
+    assert ((back - w).abs() <= step * (0.5 + 1e-4)).all()
     assert (back[3] == 0).all()
     groups = w.reshape(20, scale.shape[1], -1).abs().amax(-1)  # each group's largest entry is exactly +-127 steps
     assert torch.equal(q.reshape(20, scale.shape[1], -1).abs().amax(-1)[groups > 0], torch.full_like(
