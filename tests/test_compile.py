@@ -46,8 +46,10 @@ def test_compiled_chunked_local_attention_matches_eager(gen, monkeypatch):
     check_compiled_matches_eager("griffin", gen)
 
 
-@pytest.mark.parametrize("family", ["mqa", "hawk", "griffin"])
-@pytest.mark.parametrize("loss_chunk", [0, 7])
+# the chunked loss (loss_chunk=7) traced once, through Griffin (every block type); with the others: slow
+@pytest.mark.parametrize(("family", "loss_chunk"), [("mqa", 0), ("hawk", 0), ("griffin", 0), ("griffin", 7),
+                                                    pytest.param("mqa", 7, marks=pytest.mark.slow),
+                                                    pytest.param("hawk", 7, marks=pytest.mark.slow)])
 def test_training_forward_and_loss_trace_as_one_graph(family, loss_chunk, gen):
     """fullgraph=True: the training forward and loss of packed documents have no graph break and no host sync
     (validation happens at the boundaries); traced through AOTAutograd (forward and backward), the loss and every

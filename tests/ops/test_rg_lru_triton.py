@@ -93,8 +93,10 @@ def _time_tile() -> int:
     return math.lcm(select_config(x, backward=False).block_t, select_config(x, backward=True).block_t)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tiles_per_chunk", [2, 3])
+@pytest.mark.parametrize(("tiles_per_chunk", "dtype"), [(2, torch.float32), (3, torch.bfloat16),
+                                                       pytest.param(3, torch.float32, marks=pytest.mark.slow),
+                                                       pytest.param(2, torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["2-fp32", "3-bf16", "3-fp32", "2-bf16"])
 def test_chunked_in_time(gen, dtype, tiles_per_chunk) -> None:
     """Chunks scanned in parallel, then the carry fix-up: same function as the sequential variant."""
     tile = _time_tile()

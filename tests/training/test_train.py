@@ -236,7 +236,8 @@ def _run_cli(args: list[str], fault: str | None = None) -> subprocess.CompletedP
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("fault", ["step:5", "checkpoint:6"])
+# a kill after a step is also caught through the experiments runner (tests/experiments); the full pair is slow
+@pytest.mark.parametrize("fault", [pytest.param("step:5", marks=pytest.mark.slow), "checkpoint:6"])
 def test_sigkill_then_resume_equals_uninterrupted(dataset, tmp_path, fault):
     """Killed mid-run (after an update, or while writing a checkpoint), then resumed: the same losses, bitwise."""
     args = ["--preset", "griffin-tiny", "--data", str(dataset), "--seq-len", "32", "--batch-size", "4",
@@ -397,7 +398,8 @@ def test_data_parallel_over_two_processes_matches_one(dataset, tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("loss_chunk", [0, 7])
+# the chunked loss compiled is also traced against eager in tests/test_compile.py (fullgraph, griffin)
+@pytest.mark.parametrize("loss_chunk", [0, pytest.param(7, marks=pytest.mark.slow)])
 def test_compiled_training_matches_eager(dataset, tmp_path, loss_chunk):
     eager = train(tiny(dataset, tmp_path / "eager", max_steps=3, ckpt_interval=3))
     compiled = train(tiny(dataset, tmp_path / "compiled", max_steps=3, ckpt_interval=3, compile=True,
