@@ -537,6 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
 
+    from griffin.experiments.cli import add_experiment_parser  # griffin experiment scaling | long-context | window
+
+    add_experiment_parser(sub)
+
     from griffin.parallel.commands import add_plan_parser  # griffin plan PRESET --gpus N --gpu h100 (Section 4.1)
 
     add_plan_parser(sub)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -246,8 +247,9 @@ class CausalLM(nn.Module):
         return self.loss(self.final_norm(x), self.output_weight, targets, loss_chunk)
 
 
+@functools.lru_cache(maxsize=256)
 def count_parameters(config: ModelConfig) -> int:
-    """Number of parameters of the model built from ``config`` (built on the meta device)."""
+    """Number of parameters of the model built from ``config`` (built on the meta device; remembered per config)."""
     with torch.device("meta"):
         model = CausalLM(config)
     return model.num_parameters()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import sys
 import types
@@ -270,6 +271,36 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data.get("model", {}), dict):
         raise ValueError(f"{path}: model must be a [model] table, got {data['model']!r}")
     return data
+
+
+def toml_value(value: Any) -> str:
+    """One value in TOML: strings (JSON's escapes are TOML's), booleans, integers, finite floats and arrays of these."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value} cannot be written to TOML (not finite)")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise ValueError(f"{value!r} ({type(value).__name__}) cannot be written to TOML")
+
+
+def write_toml(path: str | Path, settings: dict[str, Any]) -> None:
+    """Training settings as a config file that ``griffin train --config`` reads back equal (the ``model`` mapping
+    as a [model] table; None values are left out: they are the defaults); written atomically."""
+    from griffin.io import atomic_write
+
+    lines = [f"{key} = {toml_value(v)}" for key, v in settings.items() if key != "model" and v is not None]
+    model = settings.get("model") or {}
+    if model:
+        lines += ["", "[model]"] + [f"{key} = {toml_value(v)}" for key, v in model.items() if v is not None]
+    text = "\n".join(lines) + "\n"
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 def merge_settings(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
