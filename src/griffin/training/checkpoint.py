@@ -48,10 +48,6 @@ def fault_point(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-
-
-
-
 # Optimizer and RNG state as flat tensors -------------------------------------------------------------
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     state = optimizer.state_dict()
