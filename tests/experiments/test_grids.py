@@ -113,3 +113,22 @@ def test_dry_run_lists_the_runs(capsys):
     assert main(["experiment", "scaling", "--families", "hawk", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("scaling: 5 runs") and "hawk-d64" in out and "parameters" in out
+
+
+def test_long_context_windows_are_consecutive_and_whole():
+    import numpy as np
+
+    from griffin.experiments.long_context import windows
+
+    docs = [np.arange(10), np.arange(100, 230), np.arange(500, 564)]
+    got = list(windows(docs, 64))
+    assert [w.tolist() for w in got] == [list(range(100, 164)), list(range(164, 228)), list(range(500, 564))]
+
+
+def test_long_context_and_window_runs_take_their_sizes_from_the_command_line(capsys):
+    assert main(["experiment", "long-context", "--seq-len", "256", "--batch-size", "8", "--steps", "60", "--width",
+                 "96", "--depth", "6", "--families", "griffin", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "griffin-T256" in out and "griffin-T1024" in out and f"{60 * 8 * 256:,} tokens" in out
+    assert main(["experiment", "scaling", "--width", "64", "--dry-run"]) == 2
+    assert "come from the ladder" in capsys.readouterr().err

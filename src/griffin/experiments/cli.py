@@ -9,6 +9,7 @@ from typing import Any
 from griffin.config import FAMILIES
 
 EXPERIMENTS = ("scaling", "long-context", "window")
+SHAPE_FLAGS = ("seq_len", "batch_size", "steps", "width", "depth", "lr")
 
 
 def _settings(items: list[str] | None) -> dict[str, Any]:
@@ -35,9 +36,13 @@ def build_grid(args: argparse.Namespace):
     for family in families or ():
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; the families are {', '.join(FAMILIES)}")
+    shape = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
     if args.experiment == "scaling":
         from griffin.experiments.scaling import paper_ladder, scaling_grid
 
+        if shape:
+            raise ValueError(f"--{next(iter(shape)).replace('_', '-')} sets the runs of long-context and window; the "
+                             "scaling ladder's sizes and lengths come from the ladder (--config FILE)")
         ladder = paper_ladder(args.config) if args.config else None
         grid = scaling_grid(args.budget, families, ladder, data)
     elif args.config:
@@ -45,14 +50,14 @@ def build_grid(args: argparse.Namespace):
     elif args.experiment == "long-context":
         from griffin.experiments.long_context import long_context_grid
 
-        grid = long_context_grid(families or FAMILIES, budget=args.budget, data=data)
+        grid = long_context_grid(families or FAMILIES, budget=args.budget, data=data, **shape)
     else:
         if families:
             raise ValueError("the window experiment compares Griffin with MQA (global and local): --families does not "
                              "apply")
         from griffin.experiments.window import window_grid
 
-        grid = window_grid(budget=args.budget, data=data)
+        grid = window_grid(budget=args.budget, data=data, **shape)
     extra = _settings(args.set)
     for run in grid.runs:
         run.settings.update(extra)
@@ -111,6 +116,13 @@ def add_experiment_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--families", nargs="+", metavar="FAMILY", help=f"a subset of {', '.join(FAMILIES)}")
     p.add_argument("--config", help="scaling: a ladder file (configs/experiments/scaling-paper.toml: the paper's "
                    "sizes and token counts)")
+    shape = p.add_argument_group("long-context and window runs (defaults: the CPU sizes in docs/experiments.md)")
+    shape.add_argument("--seq-len", type=int, help="the base training length T")
+    shape.add_argument("--batch-size", type=int, help="sequences per step at T (divided by the length factor above T)")
+    shape.add_argument("--steps", type=int, help="optimizer steps of every run (before --budget)")
+    shape.add_argument("--width", type=int, help="model width D (the shape rules of the scaling ladder)")
+    shape.add_argument("--depth", type=int, help="residual blocks")
+    shape.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--data", nargs="+", help="a dataset from `griffin prepare`, or text/JSONL/parquet files "
                    "(default: the embedded corpus, the Python standard library's source)")
     p.add_argument("--tokenizer", default="bytes", help="tokenizer for --data files that must be prepared")

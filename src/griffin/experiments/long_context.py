@@ -5,21 +5,26 @@ short ones?).
 
 Every run has the same model shape (:func:`griffin.experiments.scaling.shape`, Griffin's local-attention window fixed
 at T/2 for both lengths, as the paper keeps 1024 for 2K and 8K); the evaluation is
-:func:`griffin.evaluation.loss.per_position_loss` (streamed with a fixed-size state for Hawk and Griffin) over the
-validation documents of at least 16T tokens.
+:func:`griffin.evaluation.loss.per_position_loss` (streamed with a fixed-size state for Hawk and Griffin) over
+windows of 16T tokens cut one after another from the validation documents, each scored from a fresh state (the
+paper's held-out books are long enough to give many such windows; a corpus of source files has few documents of
+16T tokens, whose first lines, licence headers and imports, would otherwise dominate the short positions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from griffin.config import FAMILIES
 from griffin.experiments.runner import Grid, Run
 from griffin.experiments.scaling import shape
 
 DEFAULTS = {"seq_len": 128, "batch_size": 32, "steps": 400, "width": 64, "depth": 3, "eval_factor": 16,
-            "max_documents": 48, "lr": 3e-3}
+            "max_windows": 128, "lr": 3e-3}
 
 
 def long_context_grid(families: tuple[str, ...] = FAMILIES, seq_len: int = DEFAULTS["seq_len"],
@@ -40,7 +45,7 @@ def long_context_grid(families: tuple[str, ...] = FAMILIES, seq_len: int = DEFAU
     for family in families:
         for factor in (1, 4):
             length = seq_len * factor
-            model = {"family": family, "vocab_size": 256, **shape(width, depth, seq_len)}  # window T/2 for both
+            model = {"family": family, **shape(width, depth, seq_len)}  # window T/2 for both; vocabulary: the data's
             settings = {**(data or {}), "preset": f"{family}-tiny", "model": model, "seq_len": length,
                         "batch_size": batch_size // factor, "max_steps": steps, "warmup_steps": max(10, steps // 20),
                         "lr": lr, "eval_interval": max(1, steps // 4), "ckpt_interval": max(1, steps // 4),
@@ -51,9 +56,16 @@ def long_context_grid(families: tuple[str, ...] = FAMILIES, seq_len: int = DEFAU
     return Grid("long-context", runs, meta)
 
 
-def per_position_evaluation(max_length: int, max_documents: int = DEFAULTS["max_documents"]):
-    """The evaluation of each finished run: the loss by position up to ``max_length`` on the validation documents
-    at least that long (the same documents for every run)."""
+def windows(documents: Iterable[np.ndarray], length: int) -> Iterator[np.ndarray]:
+    """Consecutive, non-overlapping windows of ``length`` tokens of each document (a shorter tail is left out)."""
+    for doc in documents:
+        for start in range(0, len(doc) - length + 1, length):
+            yield doc[start : start + length]
+
+
+def per_position_evaluation(max_length: int, max_windows: int = DEFAULTS["max_windows"]):
+    """The evaluation of each finished run: the loss by position up to ``max_length`` on the first ``max_windows``
+    windows of that length of the validation documents (the same windows for every run)."""
 
     def evaluate(run: Run, run_dir: Path, data: Path) -> dict[str, Any]:
         from griffin.evaluation.documents import prepared_documents
@@ -61,8 +73,8 @@ def per_position_evaluation(max_length: int, max_documents: int = DEFAULTS["max_
         from griffin.interop import load_pretrained
 
         model = load_pretrained(run_dir / "checkpoints" / "latest").eval()
-        result = per_position_loss(model, prepared_documents(data, "val"), max_length, chunk_size=512,
-                                   batch_size=8, max_documents=max_documents, progress=False)
+        result = per_position_loss(model, windows(prepared_documents(data, "val"), max_length), max_length,
+                                   chunk_size=512, batch_size=8, max_documents=max_windows, progress=False)
         return {"per_position": result.to_dict()}
 
     return evaluate

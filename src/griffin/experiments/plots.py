@@ -88,16 +88,15 @@ def plot_window(table: dict[int, dict[str, float]], path: Path) -> None:
     high = max(v for row in table.values() for v in row.values())
     shown: set[str] = set()
     for j, label in enumerate(labels):
-        model, window = label.rsplit(" w", 1)
+        model, window = label.rsplit(" ", 1)
         xs = [i + (j - (len(labels) - 1) / 2) * width for i, n in enumerate(lengths) if label in table[n]]
         ys = [table[n][label] for n in lengths if label in table[n]]
         bars = ax.bar(xs, ys, width, color=COLORS.get(model), edgecolor="black", lw=0.4,
                       label=None if model in shown else model)
         shown.add(model)
-        for bar, n in zip(bars, [n for n in lengths if label in table[n]], strict=True):
-            text = "global" if model == "mqa" and int(window) == n else window
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=6,
-                    rotation=90)
+        for bar in bars:
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), window.removeprefix("w"), ha="center",
+                    va="bottom", fontsize=6, rotation=90)
     ax.set_xticks(range(len(lengths)), [f"T = {n}" for n in lengths])
     ax.set_ylim(low - 0.1 * (high - low) - 0.01, high + 0.15 * (high - low) + 0.01)
     ax.set_ylabel("validation loss (nats / token)")

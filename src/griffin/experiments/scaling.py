@@ -147,7 +147,7 @@ def analyse(results: dict[str, Any], out: Path) -> dict[str, Any]:
     """Fit loss = a * C^-b per family, write ``fits.json``, ``scaling.png`` and a Markdown table; return them."""
     import numpy as np
 
-    from griffin.experiments.fit import fit_power_law, lowest_at
+    from griffin.experiments.fit import crossover, fit_power_law, lowest_at
     from griffin.experiments.plots import plot_scaling
     from griffin.io import write_json
 
@@ -182,6 +182,8 @@ def analyse(results: dict[str, Any], out: Path) -> dict[str, Any]:
                "lowest_fitted_at_budget": dict(zip([f"{b:.3e}" for b in budgets], lowest, strict=True)),
                "lowest_measured_at_rung": {rung: min(((p[1], f) for f in points for p in points[f] if p[2] == rung),
                                                      default=(None, None))[1] for rung in rungs},
+               "crossovers": {f"{f} / {g}": crossover(usable[f], usable[g]) for i, f in enumerate(usable)
+                              for g in list(usable)[i + 1:]},
                "table": "\n".join(rows), "measured": "\n".join(measured)}
     write_json(out / "fits.json", summary)
     plot_scaling(points, usable, out / "scaling.png")

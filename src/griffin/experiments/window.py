@@ -36,7 +36,7 @@ def window_grid(seq_len: int = DEFAULTS["seq_len"], batch_size: int = DEFAULTS["
         variants = [("griffin", w, "griffin", None) for w in windows] + [("mqa", length, "mqa", None)]
         variants += [("mqa-local", w, "mqa", ("local_attention",) * depth) for w in windows]
         for label, window, family, blocks in variants:
-            model = {**shape(width, depth, seq_len), "family": family, "vocab_size": 256, "attention_window": window}
+            model = {**shape(width, depth, seq_len), "family": family, "attention_window": window}
             if blocks:
                 model["block_types"] = list(blocks)
             settings = {**(data or {}), "preset": f"{family}-tiny", "model": model, "seq_len": length,
@@ -59,18 +59,20 @@ def analyse(results: dict[str, Any], out: Path) -> dict[str, Any]:
     table: dict[int, dict[str, float]] = {}
     for r in results["runs"]:
         t = r["tags"]
-        table.setdefault(t["train_length"], {})[f"{t['model']} w{t['window']}"] = r["summary"]["val_loss"]
+        label = "mqa global" if t["model"] == "mqa" else f"{t['model']} w{t['window']}"
+        table.setdefault(t["train_length"], {})[label] = r["summary"]["val_loss"]
     lengths = sorted(table)
     labels = list(dict.fromkeys(k for row in table.values() for k in row))
     rows = ["| model, window | " + " | ".join(f"T = {n}" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for label in labels:
-        rows.append(f"| {label} | " + " | ".join(f"{table[n].get(label, float('nan')):.4f}" for n in lengths) + " |")
+        rows.append(f"| {label} | " + " | ".join(f"{table[n][label]:.4f}" if label in table[n] else ""
+                                                 for n in lengths) + " |")
     claims = {}
     for n in lengths:
         row = table[n]
         griffin = {k: v for k, v in row.items() if k.startswith("griffin")}
         local = {k: v for k, v in row.items() if k.startswith("mqa-local")}
-        glob = [v for k, v in row.items() if k.startswith("mqa w")]
+        glob = [v for k, v in row.items() if k == "mqa global"]
         claims[n] = {"every_griffin_beats_global_mqa": bool(glob) and all(v < glob[0] for v in griffin.values()),
                      "griffin_smallest_window_beats_global_mqa": bool(glob) and bool(griffin)
                      and griffin[min(griffin, key=lambda k: int(k.split("w")[-1]))] < glob[0],
