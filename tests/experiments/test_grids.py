@@ -57,6 +57,12 @@ def test_the_paper_ladder_has_the_papers_sizes_and_tokens():
     assert quick.runs[0].settings["max_steps"] == pytest.approx(grid.runs[0].settings["max_steps"] / 10, abs=1)
 
 
+def test_a_batch_split_over_ranks_keeps_the_global_batch():
+    grid = long_context_grid()
+    grid.split_batch(4)
+    assert [r.settings["batch_size"] for r in grid.runs[:2]] == [8, 2]  # of 32 at T and 8 at 4T
+
+
 def test_long_context_and_window_grids_keep_the_tokens_fixed():
     grid = long_context_grid()
     assert [r.name for r in grid.runs] == ["mqa-T128", "mqa-T512", "hawk-T128", "hawk-T512", "griffin-T128",
@@ -107,6 +113,10 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
     assert "the experiment sets out itself" in capsys.readouterr().err
     assert main(["experiment", "long-context", "--budget", "0.01"]) == 2
     assert "raise --budget" in capsys.readouterr().err
+    assert main(["experiment", "window", "--data-parallel", "2", "--dry-run"]) == 2
+    assert "--data-parallel needs --launcher" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch of 32 sequences cannot be shared by 3 data-parallel ranks"):
+        window_grid().split_batch(3)
 
 
 def test_dry_run_lists_the_runs(capsys):

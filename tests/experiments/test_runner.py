@@ -138,14 +138,25 @@ def test_long_context_and_window_analyses_on_finished_runs(dataset, finished, tm
 @pytest.mark.slow
 def test_runs_launched_under_torchrun(dataset, tmp_path):
     """The launcher path of the paper's ladders: each run is `torchrun ... -m griffin.cli train` over two processes
-    (data parallel, gloo), and its result is the single-process run's within float tolerance."""
+    (parameters sharded over both, ZeRO-3, gloo; the batch is the global batch), and its result is the
+    single-process run's within float tolerance."""
     import sys
 
     grid = tiny_ladder(rungs=[{"name": "d16", "width": 16, "depth": 3}], families=("griffin",)).grid(
         1.0, {"data": str(dataset)})
     launcher = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2"
-    two = run_grid(grid, tmp_path / "two", launcher=launcher, progress=False)["runs"][0]
     one = run_grid(grid, tmp_path / "one", threads=1, progress=False)["runs"][0]
-    assert "data parallel over 2 processes" in (tmp_path / "two/runs/griffin-d16/train.log").read_text()
-    assert two["summary"]["steps"] == one["summary"]["steps"]
-    assert two["summary"]["val_loss"] == pytest.approx(one["summary"]["val_loss"], rel=1e-4)
+    grid.runs[0].settings["dp_shard"] = 2
+    grid.split_batch(2)  # griffin train's batch is per process: 2 x 2 sequences = the one process' 4
+    two = run_grid(grid, tmp_path / "two", launcher=launcher, progress=False)["runs"][0]
+    assert "2 data-parallel ranks of 2 sequences" in (tmp_path / "two/runs/griffin-d16/train.log").read_text()
+    assert two["summary"]["steps"] == one["summary"]["steps"] and two["summary"]["tokens"] == one["summary"]["tokens"]
+
+    def train_losses(root: Path) -> dict[int, float]:  # (the held-out batches are per rank: compare training)
+        records = [json.loads(x) for x in (root / "runs/griffin-d16/log.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+    ref, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert got.keys() == ref.keys() and len(ref) > 5
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step

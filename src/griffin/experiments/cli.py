@@ -61,6 +61,10 @@ def build_grid(args: argparse.Namespace):
     extra = _settings(args.set)
     for run in grid.runs:
         run.settings.update(extra)
+    if args.data_parallel > 1:
+        if not args.launcher:
+            raise ValueError("--data-parallel needs --launcher (the command that starts the ranks, e.g. torchrun)")
+        grid.split_batch(args.data_parallel)
     return grid
 
 
@@ -130,6 +134,9 @@ def add_experiment_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads per run (0: the cores shared by the workers)")
     p.add_argument("--launcher", help="command that replaces `python` for each run, e.g. "
                    "'torchrun --nproc-per-node 8' (the distributed trainer)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N", help="data-parallel ranks the launcher "
+                   "starts for each run (processes / tp): each takes 1/N of the batch, so the global batch and the "
+                   "tokens stay the experiment's")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a griffin train setting for every run "
                    "(device=cuda, precision=bf16, compile=true, tp=2, ...)")
     p.add_argument("--dry-run", action="store_true", help="list the runs with their parameters, tokens and FLOPs")

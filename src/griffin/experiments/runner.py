@@ -81,6 +81,18 @@ class Grid:
                     raise ValueError(f"the runs of the {self.experiment} grid disagree on data: {first.name} has "
                                      f"{key}={a!r}, {run.name} has {key}={b!r}; their losses would not be comparable")
 
+    def split_batch(self, ranks: int) -> None:
+        """Each run's batch shared by ``ranks`` data-parallel processes (``griffin train``'s ``batch_size`` is per
+        process): the global batch, and so the tokens and FLOPs of every run, stay as planned."""
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"data-parallel ranks={ranks!r} must be a positive integer")
+        for run in self.runs:
+            batch = run.settings.get("batch_size", TrainConfig.__dataclass_fields__["batch_size"].default)
+            if batch % ranks:
+                raise ValueError(f"run {run.name}: its batch of {batch} sequences cannot be shared by {ranks} "
+                                 "data-parallel ranks")
+            run.settings["batch_size"] = batch // ranks
+
     def data_settings(self) -> dict[str, Any]:
         return {k: self.runs[0].settings[k] for k in DATA_KEYS if k in self.runs[0].settings}
 
