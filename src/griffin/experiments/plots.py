@@ -1,4 +1,4 @@
-"""The experiments' figures (matplotlib PNG, written atomically): Figure 1a, Figure 5 (right), Figure 9."""
+"""The experiments' figures (matplotlib PNG, written atomically): Figure 1a, Figure 5 (right), Appendix F's bars."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def plot_long_context(curves: dict[str, tuple[dict[str, Any], dict[str, Any]]], 
 
 
 def plot_window(table: dict[int, dict[str, float]], path: Path) -> None:
-    """Validation loss of each model and window, grouped by training length, the window above each bar (Figure 9)."""
+    """Validation loss of each model and window, grouped by training length, the window above each bar (Appendix F)."""
     plt, fig, ax = _figure(7.5, 4.2)
     lengths = sorted(table)
     labels = list(dict.fromkeys(k for row in table.values() for k in row))

@@ -1,6 +1,6 @@
 """``griffin experiment window``: Griffin with local-attention windows {T/8, T/4, T/2}, the global-attention MQA
 Transformer and MQA with local attention at the same windows, each trained at lengths T, 2T and 4T with the same
-total tokens (the batch divided by the length factor, the steps fixed) (Appendix F, Figure 9: the bar chart).
+total tokens (the batch divided by the length factor, the steps fixed) (Appendix F: its bar chart).
 
 The windows are fixed in tokens across the training lengths, as the paper keeps 1K, 2K and 4K across 2K, 4K and
 8K. Every run has the same shape (:func:`griffin.experiments.scaling.shape`); its score is its final validation loss
