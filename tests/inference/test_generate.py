@@ -255,12 +255,12 @@ def test_prompt_longer_than_global_cache(gen):
 
 
 # The decode path (Decoder / CausalLM.decode_step) against the generic forward-with-cache path -----------------
-def decode_both_ways(model, prompts, steps, gen, max_length=None, prepack=False):
+def decode_both_ways(model, prompts, steps, gen, max_length=None, prepack=False, matvec=False):
     """Prefill ``prompts``, then feed the same random tokens through ``model(tokens[:, None], cache=...)`` and
     through a :class:`Decoder` on a copy of the cache. Returns both logits (steps, B, V) and both caches."""
     _, cache = prefill(model, prompts, max_length=max_length, chunk_size=4)
     copy = cache.copy()
-    decoder = Decoder(model, copy, prepack=prepack)
+    decoder = Decoder(model, copy, prepack=prepack, matvec=matvec)
     generic, fast = [], []
     for _ in range(steps):
         tokens = torch.randint(0, model.config.vocab_size, (len(prompts),), generator=gen)
@@ -305,7 +305,8 @@ def test_prepacked_decoder_is_the_forward_path_up_to_rounding(gen, family, dtype
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist()
                for n in torch.randint(1, 12, (batch,), generator=gen).tolist()]
     generic, fast, cache, copy = decode_both_ways(model, prompts, 15, gen, max_length=30, prepack=True)
-    assert isinstance(Decoder(model, copy).model.lm_head, PackedLinear)  # the default on CPU
+    if batch > 1:  # the default on CPU for several rows (one row: the matvec kernel, tests/inference/test_matvec.py)
+        assert isinstance(Decoder(model, copy).model.lm_head, PackedLinear)
     tol = 2e-5 if dtype == torch.float32 else 3e-2  # float32: a few 1e-6 after 15 steps; bfloat16: an ulp or two
     torch.testing.assert_close(fast, generic, atol=tol, rtol=tol)
     for name, t in cache.tensors().items():

@@ -155,3 +155,19 @@ def test_int8_bfloat16_step_through_pytorchs_int8_kernel(gen, family):
     with torch.no_grad():
         ref = torch.stack([model(t[:, None], cache=cache)[:, -1].float() for t in tokens])
     assert (got - ref).abs().max() <= 3e-2 * ref.abs().max()
+
+
+def test_one_row_decodes_through_the_kernel_by_default(gen):
+    """On CPU the default decode copy of one row is the matvec kernel's (its one-row path), float and int8 alike (int8
+    without PyTorch's int8 matmul); of several rows, float models go through oneDNN and bfloat16 int8 layers through
+    PyTorch's int8 matmul; an explicit prepack=True keeps oneDNN at one row too."""
+    from griffin.inference.generate import decode_model
+    from griffin.inference.prepack import PackedLinear
+
+    model = tiny("griffin", gen, torch.bfloat16)
+    kinds = lambda m: {type(x).__name__ for x in m.modules()}  # noqa: E731
+    assert "MatvecLinear" in kinds(decode_model(model, 1)) and "PackedLinear" not in kinds(decode_model(model, 1))
+    assert isinstance(decode_model(model, 4).lm_head, PackedLinear)
+    assert isinstance(decode_model(model, 1, prepack=True).lm_head, PackedLinear)
+    int8 = quantize_int8(model)
+    assert "Int8PackLinear" not in kinds(decode_model(int8, 1)) and "Int8PackLinear" in kinds(decode_model(int8, 4))

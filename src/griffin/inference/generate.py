@@ -198,17 +198,17 @@ def is_swapped(model: nn.Module) -> bool:
 def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
                  matvec: bool | None = None) -> nn.Module:
     """The model a decode step of ``batch_size`` rows runs (see :class:`Decoder`): a copy sharing its tensors whose
-    matmuls run through the matvec kernel (``matvec``; default: int8 models on CPU, the only kernel that reads int8;
-    for float weights it is slower than oneDNN's prepacked matmul today, docs/performance.md "CPU decode at 1-3B")
-    or oneDNN's prepacked weights (``prepack``; default: float CPU models), or ``model`` itself. A model already
-    swapped is returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
+    matmuls run through the matvec kernel (``matvec``; default on CPU: int8 models, and any model at one row, where
+    its one-row path beats oneDNN's matmul; docs/performance.md "CPU decode at 1-3B") or oneDNN's prepacked weights
+    (``prepack``; default: float CPU models at several rows), or ``model`` itself. A model already swapped is
+    returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
     if is_swapped(model):
         return model
     quantized = quantization_of(model) is not None
     if matvec is None:
-        matvec = model.device.type == "cpu" and quantized
+        matvec = model.device.type == "cpu" and (quantized or (batch_size == 1 and not prepack))
     if matvec:
-        return matvec_swapped(model)
+        return matvec_swapped(model, int8pack=batch_size > 1)
     if prepack is None:
         prepack = not quantized and can_prepack(model.output_weight)
     return prepacked(model, batch_size) if prepack else model
@@ -224,10 +224,11 @@ class Decoder:
     cache's room; token ids are not checked (they are sampled from the model's own logits).
 
     The weight matmuls, on CPU, run on a copy of the model that shares its tensors, made here (later changes of the
-    weights are not seen): ``matvec`` (default: int8 models; see :func:`decode_model`) reads each weight once, the
-    layers that share an input fused into one call (:func:`griffin.inference.matvec.matvec_swapped`); otherwise
-    ``prepack`` (default: on CPU) holds the weights laid out for oneDNN (:func:`griffin.inference.prepack.prepacked`),
-    as large as the weights while the decoder lives (pass ``prepack=False`` where memory is tight). Both equal the
+    weights are not seen): ``matvec`` (default: int8 models, and any model at one row; see :func:`decode_model`)
+    reads each weight once, the layers that share an input fused into one call
+    (:func:`griffin.inference.matvec.matvec_swapped`); otherwise ``prepack`` (default: on CPU) holds the weights
+    laid out for oneDNN (:func:`griffin.inference.prepack.prepacked`), as large as the weights while the decoder
+    lives (pass ``prepack=False`` where memory is tight). Both equal the
     plain path up to float32 rounding. An int8 model (:func:`griffin.quantize.quantize_int8`) decodes on CPU only.
     ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on GPU) with static shapes: attention then
     reads every preallocated slot, masked.

@@ -14,8 +14,10 @@ whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The
 the layers' own up to float32 rounding (the sums' order); the layers' biases and int8 scales are copied (concatenated)
 here, so later changes to those are not seen (make a new copy after training). Int8 layers of a bfloat16 model with
 per-channel scales and an input width divisible by 16 run instead through PyTorch's own int8 matmul
-(:class:`Int8PackLinear`), faster than this kernel there. The :class:`griffin.inference.Decoder` uses this swap for
-int8 models; float models decode faster through oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
+(:class:`Int8PackLinear`), faster than this kernel's several-row path there. The :class:`griffin.inference.Decoder`
+uses this swap for int8 models and for float models decoding one row (the kernel's one-row path reads bfloat16 at
+several times the rate of oneDNN's matmul on the machine of docs/performance.md); float models decoding several rows
+go through oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
 """
 
 from __future__ import annotations
@@ -116,24 +118,25 @@ def _fusable(layers: list[nn.Module]) -> bool:
     return len({w.dtype for w in weights}) == 1 and len({w.shape[1] for w in weights}) == 1 and len(groups) == 1
 
 
-def matvec_swapped(model: nn.Module) -> nn.Module:
+def matvec_swapped(model: nn.Module, int8pack: bool = True) -> nn.Module:
     """A copy of ``model`` sharing its tensors, whose linear layers run through the CPU kernel (see the module
-    docstring); layers the kernel cannot read are left as they are."""
+    docstring); layers the kernel cannot read are left as they are. ``int8pack=False``: int8 layers too (one input
+    row: the kernel's one-row path is faster than PyTorch's int8 matmul)."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     clone = copy.deepcopy(model, memo)
     dtype = getattr(model, "dtype", None)  # the activations' (CausalLM)
     fused: set[int] = set()
     for module in list(clone.modules()):  # groups first, so that their layers are still the original ones
         for name, child in list(module.named_children()):
-            if isinstance(child, LinearGroup) and _fusable(layers := child.layers()) and not all(
-                    can_int8pack(layer, dtype) for layer in layers):
+            if isinstance(child, LinearGroup) and _fusable(layers := child.layers()) and not (int8pack and all(
+                    can_int8pack(layer, dtype) for layer in layers)):
                 setattr(module, name, MatvecLinear(layers, group=True))
                 fused.update(id(layer) for layer in layers)
     for module in list(clone.modules()):
         for name, child in list(module.named_children()):
             if id(child) in fused:
                 continue
-            if can_int8pack(child, dtype):  # faster than the numba kernel for int8 in bfloat16 (docs/performance.md)
+            if int8pack and can_int8pack(child, dtype):  # faster than the kernel's several-row path for int8 in bf16
                 setattr(module, name, Int8PackLinear(child))
             elif can_matvec(child):
                 setattr(module, name, MatvecLinear([child]))

@@ -4,7 +4,8 @@ At a few rows (the batch of a decode step) ``x W^T`` is bound by reading W once:
 token, while the arithmetic is a few multiply-adds per weight. The kernel streams each weight row once from memory
 in its stored format (float32, bfloat16 as its 16 bits, or int8 with float32 scales per group of inputs,
 :mod:`griffin.ops.matvec.reference`), widens it to float32 in registers and multiplies it with every input row
-while it is in the L1 cache: two weight rows against up to four input rows at a time, eight float32 accumulators
+while it is in the L1 cache: at one input row, one weight row at a time (one accumulator chain, which LLVM
+vectorises best); at several, two weight rows against up to four input rows at a time, eight float32 accumulators
 that LLVM vectorises over the inputs (AVX2/AVX-512). Output rows are split among the threads in tiles of
 :data:`TILE` rows; several matrices that read the same input (attention's q/k/v, the MLP's two branches) are one
 call, one parallel region over the tiles of all of them, with no copy of the weights.
@@ -59,7 +60,8 @@ def _widen(v):  # type: ignore[no-untyped-def]
 def _dot_2x4(x0, x1, x2, x3, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
     """Dot products of weight rows w0, w1 with input rows x0..x3 over [k0, k1)."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-    for k in range(k0, k1):
+    for d in range(k1 - k0):
+        k = k0 + d
         u = widen(w0[k])
         v = widen(w1[k])
         a0 += x0[k] * u
@@ -76,29 +78,29 @@ def _dot_2x4(x0, x1, x2, x3, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
 @numba.njit(inline="always", fastmath=True)
 def _dot_2x1(x0, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
     a0 = b0 = np.float32(0.0)
-    for k in range(k0, k1):
-        a0 += x0[k] * widen(w0[k])
-        b0 += x0[k] * widen(w1[k])
+    for d in range(k1 - k0):
+        a0 += x0[k0 + d] * widen(w0[k0 + d])
+        b0 += x0[k0 + d] * widen(w1[k0 + d])
     return a0, b0
 
 
 @numba.njit(inline="always", fastmath=True)
 def _dot_1x4(x0, x1, x2, x3, w0, k0, k1):  # type: ignore[no-untyped-def]
     a0 = a1 = a2 = a3 = np.float32(0.0)
-    for k in range(k0, k1):
-        u = widen(w0[k])
-        a0 += x0[k] * u
-        a1 += x1[k] * u
-        a2 += x2[k] * u
-        a3 += x3[k] * u
+    for d in range(k1 - k0):
+        u = widen(w0[k0 + d])
+        a0 += x0[k0 + d] * u
+        a1 += x1[k0 + d] * u
+        a2 += x2[k0 + d] * u
+        a3 += x3[k0 + d] * u
     return a0, a1, a2, a3
 
 
 @numba.njit(inline="always", fastmath=True)
 def _dot_1x1(x0, w0, k0, k1):  # type: ignore[no-untyped-def]
     a0 = np.float32(0.0)
-    for k in range(k0, k1):
-        a0 += x0[k] * widen(w0[k])
+    for d in range(k1 - k0):
+        a0 += x0[k0 + d] * widen(w0[k0 + d])
     return a0
 
 
@@ -175,6 +177,26 @@ def _matvec_kernel(x, weights, tiles, scale, bias, out):  # type: ignore[no-unty
             _row(x, w[r0 + i], scale[c0 + i], group, out, c0 + i, bias[c0 + i])
 
 
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _one_row_kernel(x, w, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = x w^T for one input row: x (K,) float32, w (N, K) as stored, scale (N, G), bias (N,), out (N,) float32.
+    One weight row at a time, one accumulator chain per group, which LLVM vectorises over K; rows in tiles of
+    :data:`TILE` per task."""
+    N, K = w.shape
+    G = scale.shape[1]
+    group = K // G
+    for t in prange((N + TILE - 1) // TILE):
+        for i in range(t * TILE, min(N, t * TILE + TILE)):
+            row = w[i]
+            total = np.float32(0.0)
+            for g in range(G):
+                acc = np.float32(0.0)
+                for k in range(group):
+                    acc += x[g * group + k] * widen(row[g * group + k])
+                total += acc * scale[i, g]
+            out[i] = total + bias[i]
+
+
 def storage_view(weight: Tensor) -> np.ndarray:
     """The numpy array the kernel reads (no copy): bfloat16 as its uint16 bits, float32 and int8 as they are."""
     if weight.dtype not in WEIGHT_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
@@ -212,6 +234,7 @@ class MatvecWeights:
     bias: np.ndarray
     in_features: int
     out_features: int
+    matrices: int = SLOTS  # how many of ``arrays`` are matrices (the rest pad the tuple)
 
     @classmethod
     def prepare(cls, weights: Sequence[Tensor], scales: Sequence[Tensor | None] | None = None,
@@ -235,7 +258,7 @@ class MatvecWeights:
         bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b.detach().float()
                           for w, b in zip(weights, biases, strict=True)])
         return cls(arrays, tiles_for([w.shape[0] for w in weights]).numpy(), scale.contiguous().numpy(),
-                   bias.contiguous().numpy(), K, int(scale.shape[0]))
+                   bias.contiguous().numpy(), K, int(scale.shape[0]), len(weights))
 
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
@@ -245,7 +268,14 @@ def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None
         raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     out = torch.empty(rows.shape[0], prepared.out_features, dtype=torch.float32)
-    if rows.shape[0]:
+    if rows.shape[0] == 1:  # a matrix at a time: the one-row kernel reads it at close to memory bandwidth
+        column, x1, o = 0, rows.numpy()[0], out.numpy()[0]
+        for w in prepared.arrays[: prepared.matrices]:
+            n = w.shape[0]
+            _one_row_kernel(x1, w, prepared.scale[column : column + n], prepared.bias[column : column + n],
+                            o[column : column + n])
+            column += n
+    elif rows.shape[0]:
         _matvec_kernel(rows.numpy(), prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
     out = out.reshape(*x.shape[:-1], prepared.out_features)
     return out.to(out_dtype or x.dtype)
@@ -262,7 +292,7 @@ def matvec_op(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bi
     and bias (N,) concatenated over the matrices), output in x's dtype."""
     arrays = padded(tuple(storage_view(w) for w in weights))
     prepared = MatvecWeights(arrays, tiles.numpy(), scale.numpy(), bias.numpy(), int(weights[0].shape[1]),
-                             int(scale.shape[0]))
+                             int(scale.shape[0]), len(weights))
     return matvec_cpu(x, prepared)
 
 
