@@ -142,3 +142,13 @@ def test_long_context_and_window_runs_take_their_sizes_from_the_command_line(cap
     assert "griffin-T256" in out and "griffin-T1024" in out and f"{60 * 8 * 256:,} tokens" in out
     assert main(["experiment", "scaling", "--width", "64", "--dry-run"]) == 2
     assert "come from the ladder" in capsys.readouterr().err
+
+
+def test_a_runs_config_file_reads_back_equal(tmp_path):
+    from griffin.training import TrainConfig
+    from griffin.training.config import write_toml
+
+    cfg = TrainConfig(model={"width": 32, "depth": 4, "block_types": ["recurrent", "attention"] * 2},
+                      sample_prompt='a "quote" \\ back\tslash\n\x7f é 🦅', lr=1e-3, seq_len=64)
+    write_toml(tmp_path / "run.toml", cfg.to_dict())
+    assert TrainConfig.from_toml(tmp_path / "run.toml") == cfg

@@ -283,8 +283,8 @@ def toml_value(value: Any) -> str:
         if not math.isfinite(value):
             raise ValueError(f"{value} cannot be written to TOML (not finite)")
         return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, str):  # TOML also wants DEL escaped, which JSON leaves as it is
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise ValueError(f"{value!r} ({type(value).__name__}) cannot be written to TOML")
