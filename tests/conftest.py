@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,25 @@ def import_official_torch():
     from griffin.interop.official import import_official_torch as load
 
     return load()
+
+
+WORDS = "the of and a to in is you that it he was for on are as with his they at be this from".split()
+
+
+def words_dataset(root: Path) -> Path:
+    """A small prepared byte-level dataset (``root/prepared``) of 40 seeded documents of 20-400 common words, 10% held
+    out: the training, layout and experiment tests' data."""
+    from griffin.data import prepare
+
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True)
+    rng = random.Random(0)
+    for i in range(40):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(20, 400))]
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words) + ".\n")
+    out = root / "prepared"
+    prepare([corpus], out, "bytes", val_fraction=0.1, seed=0, progress=False)
+    return out
 
 
 def perturb_(module: torch.nn.Module, generator: torch.Generator, scale: float = 0.1) -> None:

@@ -4,27 +4,18 @@ and the grids' refusals."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from griffin.data import prepare
 from griffin.experiments import ExperimentError, Grid, Run, run_grid
 from griffin.experiments.scaling import Ladder, analyse
-
-WORDS = "the of and a to in is you that it he was for on are as with his they at be this from".split()
+from tests.conftest import words_dataset
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for i in range(40):
-        (root / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400))))
-    out = root.parent / "prepared"
-    prepare([root], out, "bytes", val_fraction=0.1, seed=0, progress=False)
-    return out
+    return words_dataset(tmp_path_factory.mktemp("data"))
 
 
 def tiny_ladder(**kw) -> Ladder:

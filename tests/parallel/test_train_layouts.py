@@ -4,7 +4,6 @@ sharded checkpoints that resume on 1 process and on another layout, and the layo
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,23 +12,14 @@ import pytest
 import torch
 
 from griffin.cli import main
-from griffin.data import prepare
 from griffin.parallel import is_sharded
 from griffin.training import TrainConfig, train
-
-WORDS = "the of and a to in is you that it he was for on are as with his they at be this from".split()
+from tests.conftest import words_dataset
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for i in range(40):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(20, 400))]
-        (root / f"doc{i:02d}.txt").write_text(" ".join(words) + ".\n")
-    out = root.parent / "prepared"
-    prepare([root], out, "bytes", val_fraction=0.1, seed=0, progress=False)
-    return out
+    return words_dataset(tmp_path_factory.mktemp("data"))
 
 
 def args(dataset: Path, out: Path, batch_size: int, **extra) -> list[str]:

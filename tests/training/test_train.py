@@ -16,26 +16,16 @@ import torch
 
 from griffin import CausalLM, load_pretrained
 from griffin.cli import main
-from griffin.data import prepare
 from griffin.interop import CheckpointError
 from griffin.training import TrainConfig, Trainer, TrainingError, train
 from griffin.training.checkpoint import find_resumable, list_checkpoints, verify_checkpoint
 from griffin.training.trainer import build_optimizer, learning_rate, no_weight_decay
-
-WORDS = "the of and a to in is you that it he was for on are as with his they at be this from".split()
+from tests.conftest import WORDS, words_dataset
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    """A small prepared byte-level dataset of 40 documents of varying length."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    for i in range(40):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(20, 400))]
-        (root / f"doc{i:02d}.txt").write_text(" ".join(words) + ".\n")
-    out = root.parent / "prepared"
-    prepare([root], out, "bytes", val_fraction=0.1, seed=0, progress=False)
-    return out
+    return words_dataset(tmp_path_factory.mktemp("data"))
 
 
 def tiny(dataset: Path, out: Path, **kw) -> TrainConfig:
