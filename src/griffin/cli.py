@@ -398,6 +398,7 @@ examples:
   griffin train --out runs/hawk --resume        continue a stopped run, with its own settings
   griffin prepare input.txt --out data && griffin train --data data --out runs/mine
   griffin generate runs/griffin-cpu/checkpoints/best --prompt "def " --max-new-tokens 200
+  griffin experiment scaling --workers 2        the paper's scaling curves (Figure 1a) on a ladder for the CPU
   griffin COMMAND --help                        the options of a command
 
 exit status: 0 done; 2 a bad value, a missing, malformed or busy file (one line naming it); 130 interrupted
