@@ -15,9 +15,9 @@ the layers' own up to float32 rounding (the sums' order); the layers' biases and
 here, so later changes to those are not seen (make a new copy after training). Int8 layers of a bfloat16 model with
 per-channel scales and an input width divisible by 16 run instead through PyTorch's own int8 matmul
 (:class:`Int8PackLinear`), faster than this kernel's several-row path there. The :class:`griffin.inference.Decoder`
-uses this swap for int8 models and for float models decoding one row (the kernel's one-row path reads bfloat16 at
-several times the rate of oneDNN's matmul on the machine of docs/performance.md); float models decoding several rows
-go through oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
+uses this swap for int8 models and for float models decoding one row (the kernel's one-row path was about 1.6× as
+fast as oneDNN's matmul on the machine of docs/performance.md); float models decoding several rows go through
+oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
 """
 
 from __future__ import annotations
