@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from griffin.config import FAMILIES
+from griffin.experiments.scaling import check_families
 
 EXPERIMENTS = ("scaling", "long-context", "window")
 SHAPE_FLAGS = ("seq_len", "batch_size", "steps", "width", "depth", "lr")
@@ -33,9 +34,7 @@ def build_grid(args: argparse.Namespace):
     data = {"data": ",".join(str(Path(p).resolve()) for p in args.data) if args.data else "",
             "tokenizer": args.tokenizer}
     families = tuple(args.families) if args.families else None
-    for family in families or ():
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; the families are {', '.join(FAMILIES)}")
+    check_families(families or ())
     shape = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
     if args.experiment == "scaling":
         from griffin.experiments.scaling import paper_ladder, scaling_grid

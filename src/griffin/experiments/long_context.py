@@ -21,7 +21,7 @@ import numpy as np
 
 from griffin.config import FAMILIES
 from griffin.experiments.runner import Grid, Run
-from griffin.experiments.scaling import shape
+from griffin.experiments.scaling import budget_steps, check_families, length_run, shape
 
 DEFAULTS = {"seq_len": 128, "batch_size": 32, "steps": 400, "width": 64, "depth": 3, "eval_factor": 16,
             "max_windows": 128, "lr": 3e-3}
@@ -33,23 +33,16 @@ def long_context_grid(families: tuple[str, ...] = FAMILIES, seq_len: int = DEFAU
                       lr: float = DEFAULTS["lr"], data: dict[str, Any] | None = None) -> Grid:
     """Each family at T = ``seq_len`` (``batch_size`` sequences) and at 4T (``batch_size`` / 4), ``budget`` x
     ``steps`` steps each: the same tokens for both lengths."""
-    for family in families:
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; the families are {', '.join(FAMILIES)}")
+    check_families(families)
     if batch_size % 4:
         raise ValueError(f"batch_size={batch_size} must be divisible by 4 (the 4T runs use a quarter of it)")
-    steps = int(round(budget * steps))
-    if steps < 50:
-        raise ValueError(f"--budget={budget:g} leaves {steps} steps per run, fewer than 50: raise --budget")
+    steps = budget_steps(budget, steps)
     runs = []
     for family in families:
         for factor in (1, 4):
             length = seq_len * factor
             model = {"family": family, **shape(width, depth, seq_len)}  # window T/2 for both; vocabulary: the data's
-            settings = {**(data or {}), "preset": f"{family}-tiny", "model": model, "seq_len": length,
-                        "batch_size": batch_size // factor, "max_steps": steps, "warmup_steps": max(10, steps // 20),
-                        "lr": lr, "eval_interval": max(1, steps // 4), "ckpt_interval": max(1, steps // 4),
-                        "eval_batches": 4 * factor, "keep_last": 1}
+            settings = length_run(family, model, seq_len, factor, batch_size, steps, lr, 4, data)
             runs.append(Run(f"{family}-T{length}", settings, {"family": family, "train_length": length}))
     meta = {"seq_len": seq_len, "eval_length": DEFAULTS["eval_factor"] * seq_len, "steps": steps,
             "tokens_per_run": steps * batch_size * seq_len}

@@ -31,6 +31,32 @@ PAPER_TOKENS = {"100m": 1.9e9, "200m": 3.9e9, "400m": 7.8e9, "1.3b": 25e9, "3b":
 MIN_STEPS = 50
 
 
+def check_families(families: tuple[str, ...]) -> None:
+    """Refuse a family name that is not one of :data:`griffin.config.FAMILIES`."""
+    for family in families:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}; the families are {', '.join(FAMILIES)}")
+
+
+def budget_steps(budget: float, steps: int) -> int:
+    """``budget`` x ``steps`` optimizer steps, refused below :data:`MIN_STEPS`."""
+    scaled = int(round(budget * steps))
+    if scaled < MIN_STEPS:
+        raise ValueError(f"--budget={budget:g} leaves {scaled} steps per run, fewer than {MIN_STEPS}: raise --budget")
+    return scaled
+
+
+def length_run(family: str, model: dict[str, Any], seq_len: int, factor: int, batch_size: int, steps: int, lr: float,
+               evaluations: int, data: dict[str, Any] | None) -> dict[str, Any]:
+    """The settings of a run at ``factor`` x ``seq_len`` with ``batch_size`` / ``factor`` sequences and the steps
+    fixed (the same tokens at every length: Section 6.1, Appendix F), evaluated ``evaluations`` times on
+    4 x ``factor`` held-out batches (the same held-out tokens at every length)."""
+    return {**(data or {}), "preset": f"{family}-tiny", "model": model, "seq_len": seq_len * factor,
+            "batch_size": batch_size // factor, "max_steps": steps, "warmup_steps": max(10, steps // 20), "lr": lr,
+            "eval_interval": max(1, steps // evaluations), "ckpt_interval": max(1, steps // evaluations),
+            "eval_batches": 4 * factor, "keep_last": 1}
+
+
 def shape(width: int, depth: int, seq_len: int, rnn_width: int | None = None, heads: int | None = None) -> dict:
     """The ModelConfig fields of a rung of width D and depth N, by the rules of the module docstring (the paper's
     own D_RNN and heads where given)."""
@@ -69,9 +95,8 @@ class Ladder:
         runs = []
         tokens_per_step = self.batch_size * self.grad_accum * self.seq_len
         for rung in self.rungs:
+            check_families(rung.get("families", self.families))
             for family in rung.get("families", self.families):
-                if family not in FAMILIES:
-                    raise ValueError(f"unknown family {family!r}; the families are {', '.join(FAMILIES)}")
                 model = {"family": family, "vocab_size": self.vocab_size,
                          **shape(rung["width"], rung["depth"], self.seq_len, rung.get("rnn_width"), rung.get("heads"))}
                 cfg = TrainConfig.from_dict({"preset": f"{family}-tiny", "model": model, "progress": False},
@@ -136,9 +161,7 @@ def scaling_grid(budget: float = 1.0, families: tuple[str, ...] | None = None, l
     """The scaling experiment's grid: ``ladder`` (the CPU ladder by default) for ``families``."""
     ladder = ladder or CPU_LADDER
     if families:
-        for family in families:
-            if family not in FAMILIES:
-                raise ValueError(f"unknown family {family!r}; the families are {', '.join(FAMILIES)}")
+        check_families(families)
         ladder = Ladder(**{**ladder.__dict__, "families": tuple(families)})
     return ladder.grid(budget, data)
 

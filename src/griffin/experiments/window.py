@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from griffin.experiments.runner import Grid, Run
-from griffin.experiments.scaling import shape
+from griffin.experiments.scaling import budget_steps, length_run, shape
 
 DEFAULTS = {"seq_len": 64, "batch_size": 32, "steps": 300, "width": 48, "depth": 3, "lr": 3e-3}
 
@@ -26,9 +26,7 @@ def window_grid(seq_len: int = DEFAULTS["seq_len"], batch_size: int = DEFAULTS["
         raise ValueError(f"seq_len={seq_len} must be divisible by 8 (windows T/8, T/4, T/2)")
     if batch_size % 4:
         raise ValueError(f"batch_size={batch_size} must be divisible by 4 (the 4T runs use a quarter of it)")
-    steps = int(round(budget * steps))
-    if steps < 50:
-        raise ValueError(f"--budget={budget:g} leaves {steps} steps per run, fewer than 50: raise --budget")
+    steps = budget_steps(budget, steps)
     windows = (seq_len // 8, seq_len // 4, seq_len // 2)
     runs = []
     for factor in (1, 2, 4):
@@ -39,10 +37,7 @@ def window_grid(seq_len: int = DEFAULTS["seq_len"], batch_size: int = DEFAULTS["
             model = {**shape(width, depth, seq_len), "family": family, "attention_window": window}
             if blocks:
                 model["block_types"] = list(blocks)
-            settings = {**(data or {}), "preset": f"{family}-tiny", "model": model, "seq_len": length,
-                        "batch_size": batch_size // factor, "max_steps": steps, "warmup_steps": max(10, steps // 20),
-                        "lr": lr, "eval_interval": max(1, steps // 3), "ckpt_interval": max(1, steps // 3),
-                        "eval_batches": 4 * factor, "keep_last": 1}
+            settings = length_run(family, model, seq_len, factor, batch_size, steps, lr, 3, data)
             runs.append(Run(f"{label}-w{window}-T{length}", settings,
                             {"model": label, "window": window, "train_length": length}))
     meta = {"seq_len": seq_len, "windows": list(windows), "steps": steps,
