@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from griffin.cli import is_user_error
 from griffin.experiments import ExperimentError, Grid, Run, run_grid
 from griffin.experiments.scaling import Ladder, analyse
 from tests.conftest import words_dataset
@@ -68,8 +69,10 @@ def test_an_interrupted_run_resumes_exactly(dataset, finished, tmp_path, monkeyp
         1.0, {"data": str(dataset)})
     whole = next(r for r in finished[1]["runs"] if r["name"] == "griffin-d16")  # the same run, uninterrupted
     monkeypatch.setenv("GRIFFIN_FAULT", "step:45")  # the training process is killed after step 45
-    with pytest.raises(ExperimentError, match=r"(?s)run griffin-d16 failed \(killed by signal 9\).*again to resume"):
+    failed = r"(?s)run griffin-d16 failed \(killed by signal 9\).*again to resume"
+    with pytest.raises(ExperimentError, match=failed) as err:
         run_grid(grid, tmp_path, threads=1, progress=False)
+    assert is_user_error(err.value)  # griffin experiment: one line and exit status 2, no traceback
     assert not (tmp_path / "runs/griffin-d16/result.json").exists()
     monkeypatch.delenv("GRIFFIN_FAULT")
     resumed = run_grid(grid, tmp_path, threads=1, progress=False)["runs"][0]

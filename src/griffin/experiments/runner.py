@@ -25,6 +25,7 @@ from typing import Any
 from griffin.io import read_json, write_json
 from griffin.training import TrainConfig
 from griffin.training.config import RUN_KEYS, same_setting, write_toml
+from griffin.training.trainer import TrainingError
 
 RESULT_FILE = "result.json"
 GRID_FILE = "results.json"
@@ -33,8 +34,9 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DATA_KEYS = ("data", "tokenizer", "val_fraction")
 
 
-class ExperimentError(RuntimeError):
-    """A run of the grid failed; what is done is kept, and running the command again continues."""
+class ExperimentError(TrainingError):
+    """A run of the grid failed; what is done is kept, and running the command again continues (``griffin
+    experiment`` says so in one line, as ``griffin train`` does for a run that cannot go on)."""
 
 
 @dataclass(frozen=True)
