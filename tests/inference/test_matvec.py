@@ -1,12 +1,14 @@
 """The decode step through the matvec kernel (fused projections, float and int8 weights) against the reference
 step, the model's own forward pass (Section 5)."""
 
+import copy
+
 import pytest
 import torch
 
 from griffin import CausalLM, Decoder, ModelConfig, prefill
-from griffin.inference.matvec import MatvecLinear, matvec_swapped
-from griffin.layers import LinearGroup
+from griffin.inference.matvec import MatvecBlockDiagonal, MatvecLinear, matvec_swapped
+from griffin.layers import BlockDiagonalLinear, LinearGroup
 from griffin.quantize import quantize_int8
 from tests.conftest import perturb_, seed_torch
 
@@ -76,8 +78,34 @@ def test_swap_fuses_groups_and_shares_weights(gen):
     for group in (attn.qkv, rec.in_proj, fast.blocks[0].mlp_block.gate_up):
         assert isinstance(group, MatvecLinear) and group.group
     assert isinstance(attn.proj_final, MatvecLinear) and isinstance(fast.lm_head, MatvecLinear)
+    assert isinstance(rec.rg_lru.input_gate, MatvecBlockDiagonal) and isinstance(rec.rg_lru.a_gate, MatvecBlockDiagonal)
     assert fast.blocks[0].mlp_block.gate_up.weight0 is model.blocks[0].mlp_block.gate_proj.weight  # no copy
+    assert rec.rg_lru.a_gate.w is model.blocks[0].temporal_block.rg_lru.a_gate.w
     assert isinstance(model.blocks[2].temporal_block.qkv, LinearGroup)  # the model itself is untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blocks,inner,outer", [(3, 5, 7), (4, 40, 20), (1, 33, 33)])
+def test_block_diagonal_kernel_equals_the_layer(gen, dtype, blocks, inner, outer):
+    """The gates' kernel against BlockDiagonalLinear's own batched matmul, odd block shapes (CG-LRU's gates have
+    half as many outputs), several rows and leading dimensions: float32 to rounding; bfloat16 within one bfloat16
+    rounding of the output (both sum in float32, then round)."""
+    layer = BlockDiagonalLinear(blocks * inner, blocks * outer, blocks)
+    with torch.no_grad():
+        layer.w.copy_(torch.randn(layer.w.shape, generator=gen) / inner**0.5)
+        layer.b.copy_(torch.randn(layer.b.shape, generator=gen))
+    layer = layer.to(dtype)
+    fast = MatvecBlockDiagonal(layer)
+    for shape in [(1, 1), (3, 1), (2, 5)]:
+        x = torch.randn(*shape, blocks * inner, generator=gen).to(dtype)
+        got, ref = fast(x), layer(x)
+        assert got.shape == ref.shape and got.dtype == dtype
+        if dtype == torch.float32:
+            assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
+        else:
+            assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6).all()
+    with pytest.raises(ValueError, match=f"input width {blocks * inner + 1}"):
+        fast(torch.randn(1, blocks * inner + 1).to(dtype))
 
 
 def test_groups_keep_state_dict_names_and_follow_swaps(gen):
@@ -138,8 +166,9 @@ def test_the_decode_copy_is_made_once_and_reused(gen):
 @pytest.mark.parametrize("family", ["griffin", "mqa"])
 def test_int8_bfloat16_step_through_pytorchs_int8_kernel(gen, family):
     """In bfloat16, int8 layers with per-channel scales and an input width divisible by 16 decode through PyTorch's
-    own int8 matmul (the others through the numba kernel): the step equals the int8 model's forward pass up to
-    bfloat16 rounding (scales rounded to bfloat16 too)."""
+    own int8 matmul (the others through the numba kernel): the steps are as close to the int8 model's forward pass
+    in float32 as its forward pass in bfloat16 (a fixed tolerance on the bfloat16 difference failed 2 seeds in 40:
+    6 steps of bfloat16 rounding compound)."""
     from griffin.inference.matvec import Int8PackLinear
 
     model = quantize_int8(tiny(family, gen, torch.bfloat16))
@@ -151,10 +180,16 @@ def test_int8_bfloat16_step_through_pytorchs_int8_kernel(gen, family):
     prompts = torch.randint(0, 32, (3, 7), generator=gen)
     tokens = reference_tokens(model, prompts, 6)
     got = decode(model, prompts, tokens)
-    _, cache = prefill(model, prompts, max_length=20)
+
+    def forward(model):
+        _, cache = prefill(model, prompts, max_length=20)
+        return torch.stack([model(t[:, None], cache=cache)[:, -1].float() for t in tokens])
+
     with torch.no_grad():
-        ref = torch.stack([model(t[:, None], cache=cache)[:, -1].float() for t in tokens])
-    assert (got - ref).abs().max() <= 3e-2 * ref.abs().max()
+        ref, exact = forward(model), forward(copy.deepcopy(model).float())
+    # As close to the float32 computation as the model's own bfloat16 forward, within a factor 3: over 60 seeds the
+    # ratio reached 1.9 (the two bfloat16 paths round in different places, and 6 steps compound it).
+    assert (got - exact).abs().max() <= 3 * (ref - exact).abs().max()
 
 
 def test_one_row_decodes_through_the_kernel_by_default(gen):

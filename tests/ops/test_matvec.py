@@ -1,10 +1,14 @@
 """The decode-step matmul kernel against its reference, and weight-only int8 quantisation (Section 5)."""
 
+import numpy as np
 import pytest
 import torch
 
 from griffin.ops.matvec import check_group_size, dequantize_int8, matvec_ref, quantize_int8
+from griffin.ops.matvec import cpu as matvec_module
 from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu, matvec_op, tiles_for
+from griffin.ops.matvec.isa import FAST_DOTS, INT16_CHUNK, VECTOR
+from griffin.ops.matvec.reference import quantize_row_int16
 
 ROWS = (37, 16, 5)  # odd counts and a lone row: every tile shape, tiles ending inside a matrix
 K = 48
@@ -22,17 +26,27 @@ def matrices(gen, dtype, group_size, bias=True):
     return weights, scales, biases
 
 
+def as_multiplied(x, weights):
+    """x as the kernel multiplies it: one row with int8 weights on a host with the int16 x int8 instruction is
+    rounded to int16 steps (:func:`quantize_row_int16`); otherwise as it is."""
+    if x.shape[0] == 1 and weights[0].dtype == torch.int8 and "int8" in matvec_module.FAST_DOTS:
+        xq, step = quantize_row_int16(x[0])
+        return (xq.float() * step)[None]
+    return x
+
+
 @pytest.mark.parametrize("dtype,group_size", [(torch.float32, 0), (torch.bfloat16, 0), (torch.int8, 0),
                                               (torch.int8, 8), (torch.int8, 16)])
 @pytest.mark.parametrize("batch", [1, 2, 4, 7, 9])
 def test_kernel_equals_reference(gen, dtype, group_size, batch):
-    """Weights as stored (bfloat16 widened, int8 times its group scales), float32 sums: equal to the reference up
-    to the order of the float32 additions (each sum has K = 48 terms of order 1/sqrt(K))."""
+    """Weights as stored (bfloat16 widened, int8 times its group scales), float32 sums: equal to the reference (of
+    x as the kernel multiplies it) up to the order of the float32 additions (each sum has K = 48 terms of order
+    1/sqrt(K))."""
     weights, scales, biases = matrices(gen, dtype, group_size, bias=batch != 2)
     x = torch.randn(batch, K, generator=gen)
     prepared = MatvecWeights.prepare(weights, scales, biases)
     got = matvec_cpu(x, prepared)
-    ref = matvec_ref(x, weights, scales, biases)
+    ref = matvec_ref(as_multiplied(x, weights), weights, scales, biases)
     assert got.shape == (batch, sum(ROWS)) and got.dtype == torch.float32
     assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
     # The same through the operator that torch.compile calls, and with bfloat16 activations (output in bf16).
@@ -42,7 +56,104 @@ def test_kernel_equals_reference(gen, dtype, group_size, batch):
     xb = x.bfloat16()
     got_b = matvec_cpu(xb, prepared)
     assert got_b.dtype == torch.bfloat16
-    assert torch.allclose(got_b.float(), matvec_ref(xb, weights, scales, biases).float(), rtol=2**-7, atol=1e-6)
+    ref_b = matvec_ref(as_multiplied(xb, weights), weights, scales, biases).float()
+    assert torch.allclose(got_b.float(), ref_b, rtol=2**-7, atol=1e-6)
+
+
+def host_has(dtype):
+    return pytest.mark.skipif(dtype not in FAST_DOTS, reason=f"this host has no multiply-accumulate instruction for "
+                              f"{dtype} weights (AVX-512 BF16 / VNNI)")
+
+
+WIDE = 2 * VECTOR + 16  # inputs: two vectors of the fast loop, then a tail
+
+
+@host_has("bfloat16")
+@pytest.mark.parametrize("rows", [1, 16, 37])
+def test_bf16_instruction_path_equals_reference(gen, rows):
+    """One bfloat16 row against bfloat16 weights through ``vdpbf16ps`` (exact products, float32 sums): the float32
+    reference up to the order of the additions."""
+    w = (torch.randn(rows, WIDE, generator=gen) / WIDE**0.5).bfloat16()
+    b = torch.randn(rows, generator=gen)
+    x = torch.randn(1, WIDE, generator=gen).bfloat16()
+    got = matvec_cpu(x, MatvecWeights.prepare([w], None, [b]), torch.float32)
+    ref = matvec_ref(x.float(), [w.float()], None, [b])
+    assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
+
+
+@host_has("int8")
+@pytest.mark.parametrize("group_size", [0, 8, 16, 136])
+def test_int8_instruction_path_is_within_the_rounding_of_x(gen, group_size):
+    """int8 weights times one row rounded to int16 steps (``vpdpwssd``, exact integer sums; groups of 136 mix the
+    vector loop and the tail, groups of 8 and 16 are all tail): equal to the reference of the rounded row up to
+    float32 rounding, and within step / 2 * sum |W| of the reference of the row as given."""
+    K = 2 * 136
+    w = torch.randn(37, K, generator=gen) / K**0.5
+    q, scale = quantize_int8(w, group_size)
+    b = torch.randn(37, generator=gen)
+    x = torch.randn(1, K, generator=gen) * torch.rand(1, K, generator=gen) ** 3  # entries far below the largest
+    got = matvec_cpu(x, MatvecWeights.prepare([q], [scale], [b]))
+    xq, step = quantize_row_int16(x[0])
+    assert (got - matvec_ref((xq.float() * step)[None], [q], [scale], [b])).abs().max() <= 2e-6 * (1 + got.abs().max())
+    bound = step / 2 * dequantize_int8(q, scale).abs().sum(1)
+    assert ((got - matvec_ref(x, [q], [scale], [b]))[0].abs() <= bound + 2e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rounds_x_to_int16_steps_as_the_reference(gen, dtype):
+    """The kernel's own rounding of a row to int16 steps (numba, before the int8 kernel) is the reference's, bit for
+    bit: the same float32 step and quotients, ties to even; 0 for a row with inf or NaN, and a zero row."""
+    x = (torch.randn(300, generator=gen) * torch.rand(300, generator=gen) ** 4).to(dtype)
+    x[5] = x.abs().max() * 0.5  # a tie or two: exactly half of 32767 steps is 16383.5
+    bits = (x.view(torch.uint16) if dtype == torch.bfloat16 else x).numpy()
+    q = np.empty(300, np.int16)
+    step = matvec_module._quantize_row_int16(bits, q)
+    ref_q, ref_step = quantize_row_int16(x)
+    assert step == ref_step and torch.equal(torch.from_numpy(q), ref_q)
+    assert matvec_module._quantize_row_int16(np.zeros(8, np.float32), q[:8]) == 1.0 and not q[:8].any()
+    for bad in (float("inf"), float("nan")):
+        x[7] = bad
+        assert matvec_module._quantize_row_int16(x.float().numpy(), q) == 0.0
+        with pytest.raises(ValueError, match="infinite or NaN"):
+            quantize_row_int16(x)
+
+
+@host_has("int8")
+def test_int8_instruction_path_does_not_overflow(gen):
+    """The largest int16 and int8 values over more inputs than one int32 sum can hold (2^31 / (32767 * 127) ~ 516
+    products per lane): exact int32 lanes over chunks of INT16_CHUNK inputs, summed in float32."""
+    K = 2 * INT16_CHUNK + VECTOR + 8
+    q = torch.full((2, K), 127, dtype=torch.int8)
+    q[1] = -127
+    x = torch.full((1, K), 3.0)
+    got = matvec_cpu(x, MatvecWeights.prepare([q], [torch.ones(2, 1)]))
+    assert torch.allclose(got, torch.tensor([[381.0 * K, -381.0 * K]]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_one_row_with_infinities_and_nans_as_the_reference(gen, dtype):
+    """A row with inf and NaN entries: the int8 path cannot round it to int16 steps, so it takes the float32 kernel;
+    the outputs are inf / NaN where the reference's are."""
+    weights, scales, biases = matrices(gen, dtype, 0)
+    x = torch.randn(1, K, generator=gen).bfloat16()
+    x[0, 3], x[0, 7] = float("inf"), float("nan")
+    got = matvec_cpu(x, MatvecWeights.prepare(weights, scales, biases), torch.float32)
+    ref = matvec_ref(x.float(), weights, scales, biases)
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+
+
+@pytest.mark.parametrize("dtype,group_size", [(torch.bfloat16, 0), (torch.int8, 0), (torch.int8, 136)])
+def test_generic_one_row_path_equals_reference(gen, monkeypatch, dtype, group_size):
+    """With no fast instruction (GRIFFIN_MATVEC=generic, or a host without them) one row is widened to float32 and
+    multiplied as it is: the reference up to the order of the additions."""
+    monkeypatch.setattr(matvec_module, "FAST_DOTS", frozenset())
+    K = 2 * 136
+    w = torch.randn(37, K, generator=gen) / K**0.5
+    q, scale = quantize_int8(w, group_size) if dtype == torch.int8 else (w.bfloat16(), None)
+    x = torch.randn(1, K, generator=gen).bfloat16()
+    got = matvec_cpu(x, MatvecWeights.prepare([q], None if scale is None else [scale]), torch.float32)
+    ref = matvec_ref(x.float(), [q], None if scale is None else [scale])
+    assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
 
 
 def test_kernel_input_shapes(gen):

@@ -8,6 +8,7 @@ tensor, in which
 - each :class:`griffin.layers.LinearGroup` (attention's q/k/v, the recurrent block's two branches, the MLP's two
   up-projections) is one :class:`MatvecLinear`: one call of the CPU kernel over all its matrices, no copy of them;
 - every other linear layer (and the output layer, tied or not) is a :class:`MatvecLinear` of its own,
+- the RG-LRU's block-diagonal gates are :class:`MatvecBlockDiagonal`,
 
 whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The kernel is
 :mod:`griffin.ops.matvec.cpu`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results equal
@@ -29,10 +30,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from griffin.layers import LinearGroup
+from griffin.layers import BlockDiagonalLinear, LinearGroup
 from griffin.layers.quantized import Int8Linear, Int8TiedOutput
 from griffin.model import TiedOutput
-from griffin.ops.matvec.cpu import WEIGHT_DTYPES, MatvecWeights, matvec_cpu
+from griffin.ops.matvec.cpu import WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
 
 LINEAR_LAYERS = (nn.Linear, TiedOutput, Int8Linear, Int8TiedOutput)
 
@@ -76,6 +77,33 @@ class MatvecLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.prepared.in_features}, out_features={self.sizes}"
+
+
+class MatvecBlockDiagonal(nn.Module):
+    """A :class:`griffin.layers.BlockDiagonalLinear` (the RG-LRU's gates; float32 or bfloat16 weights, shared)
+    through :func:`griffin.ops.matvec.cpu.block_diagonal_cpu`: each block's matrix read once per row, in place of
+    a batched matmul over the blocks."""
+
+    def __init__(self, layer: BlockDiagonalLinear) -> None:
+        super().__init__()
+        self.w = layer.w
+        self.register_buffer("bias", layer.b.detach().float().contiguous(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.griffin.block_diagonal.default(x, self.w, self.bias)
+        return block_diagonal_cpu(x, self.w, self.bias)
+
+    def extra_repr(self) -> str:
+        blocks, d_in, d_out = self.w.shape
+        return f"blocks={blocks}, in_features={blocks * d_in}, out_features={blocks * d_out}"
+
+
+def can_block_diagonal(layer: nn.Module) -> bool:
+    """Whether :class:`MatvecBlockDiagonal` computes ``layer``: block-diagonal gates with contiguous float32 or
+    bfloat16 CPU weights."""
+    return (isinstance(layer, BlockDiagonalLinear) and layer.w.device.type == "cpu" and layer.w.is_contiguous()
+            and layer.w.dtype in (torch.float32, torch.bfloat16))
 
 
 def can_int8pack(layer: nn.Module, dtype: torch.dtype | None) -> bool:
@@ -138,6 +166,8 @@ def matvec_swapped(model: nn.Module, int8pack: bool = True) -> nn.Module:
                 continue
             if int8pack and can_int8pack(child, dtype):  # faster than the kernel's several-row path for int8 in bf16
                 setattr(module, name, Int8PackLinear(child))
+            elif can_block_diagonal(child):
+                setattr(module, name, MatvecBlockDiagonal(child))
             elif can_matvec(child):
                 setattr(module, name, MatvecLinear([child]))
     return clone

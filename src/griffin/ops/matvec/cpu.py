@@ -10,6 +10,13 @@ that LLVM vectorises over the inputs (AVX2/AVX-512). Output rows are split among
 :data:`TILE` rows; several matrices that read the same input (attention's q/k/v, the MLP's two branches) are one
 call, one parallel region over the tiles of all of them, with no copy of the weights.
 
+At one input row on a host with AVX-512 BF16 / VNNI (:mod:`griffin.ops.matvec.isa`), bfloat16 weights times a
+bfloat16 row go through ``vdpbf16ps`` and int8 weights through ``vpdpwssd`` with the row rounded to int16 steps of
+max |x| / 32767 (:func:`griffin.ops.matvec.reference.quantize_row_int16`, an error below bfloat16's own rounding of
+the row's larger entries): 32 weights per instruction instead of one widening and one multiply-add each, which is
+what kept the widened loop below the read bandwidth. The RG-LRU's block-diagonal gates have their own kernel
+(:func:`block_diagonal_cpu`), which reads each block once per row.
+
 Numerics: float32 products and sums (reassociated: the order differs from ``F.linear``'s by rounding only), then
 the scale of each group, the bias, and the cast to the output dtype.
 """
@@ -27,6 +34,9 @@ from numba import prange, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
+
+from griffin.ops.matvec.isa import FAST_DOTS, INT16_CHUNK, VECTOR, dot_bf16, dot_int16_int8
+from griffin.ops.matvec.reference import INT16_MAX
 
 TILE = 16  # output rows per task
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
@@ -197,6 +207,103 @@ def _one_row_kernel(x, w, scale, bias, out):  # type: ignore[no-untyped-def]
             out[i] = total + bias[i]
 
 
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _one_row_bf16_kernel(x, w, bias, out):  # type: ignore[no-untyped-def]
+    """out = x w^T + bias for one bfloat16 row: x (K,) and w (N, K) as their uint16 bits, bias and out (N,) float32.
+    The first K - K mod VECTOR inputs through ``vdpbf16ps`` (:func:`griffin.ops.matvec.isa.dot_bf16`), the rest
+    widened as in :func:`_one_row_kernel`."""
+    N, K = w.shape
+    kv = K - K % VECTOR
+    for t in prange((N + TILE - 1) // TILE):
+        for i in range(t * TILE, min(N, t * TILE + TILE)):
+            row = w[i]
+            acc = dot_bf16(x, row, 0, kv)
+            for k in range(kv, K):
+                acc += widen(x[k]) * widen(row[k])
+            out[i] = acc + bias[i]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _one_row_int8_kernel(x, step, w, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = step (x w^T, each group times its scale) + bias for one row x (K,) int16 (steps of ``step``,
+    :func:`griffin.ops.matvec.reference.quantize_row_int16`) and int8 w (N, K) with float32 scale (N, G): sums
+    through ``vpdpwssd`` (:func:`griffin.ops.matvec.isa.dot_int16_int8`) over the first group - group mod
+    VECTOR inputs of each group, in chunks of :data:`INT16_CHUNK`; float32 products (exact) for the rest."""
+    N, K = w.shape
+    G = scale.shape[1]
+    group = K // G
+    gv = group - group % VECTOR
+    for t in prange((N + TILE - 1) // TILE):
+        for i in range(t * TILE, min(N, t * TILE + TILE)):
+            row = w[i]
+            total = np.float32(0.0)
+            for g in range(G):
+                k0 = g * group
+                acc = np.float32(0.0)
+                for c in range(0, gv, INT16_CHUNK):
+                    acc += dot_int16_int8(x, row, k0 + c, min(INT16_CHUNK, gv - c))
+                for k in range(k0 + gv, k0 + group):
+                    acc += np.float32(x[k]) * np.float32(row[k])
+                total += acc * scale[i, g]
+            out[i] = total * step + bias[i]
+
+
+@numba.njit(fastmath=False, cache=True)
+def _quantize_row_int16(x, out):  # type: ignore[no-untyped-def]
+    """:func:`griffin.ops.matvec.reference.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits)
+    into out (K,) int16, the same float32 operations; returns the step, or 0 if x has an infinite or NaN entry."""
+    amax = np.float32(0.0)
+    for k in range(x.shape[0]):
+        v = abs(widen(x[k]))
+        if not np.isfinite(v):
+            return np.float32(0.0)
+        amax = max(amax, v)
+    step = amax / np.float32(INT16_MAX) if amax > 0 else np.float32(1.0)
+    for k in range(x.shape[0]):
+        out[k] = np.int16(min(max(np.rint(widen(x[k]) / step), -INT16_MAX), INT16_MAX))
+    return step
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _block_diagonal_kernel(x, w, bias, out):  # type: ignore[no-untyped-def]
+    """out[b, h Dout + o] = sum_i x[b, h Din + i] w[h, i, o] + bias[h, o], the RG-LRU's block-diagonal gates
+    (Section 2.4): x (B, H Din) float32 (or bfloat16 bits), w (H, Din, Dout) as stored (float32 or bfloat16 bits),
+    bias (H, Dout) float32, out (B, H Dout) float32. A task per block; each row of its (Din, Dout) matrix is read in
+    its stored layout and added, times x's entry, to the block's output row (vectorised over Dout)."""
+    B = x.shape[0]
+    H, Din, Dout = w.shape
+    for h in prange(H):
+        for b in range(B):
+            acc = out[b, h * Dout : (h + 1) * Dout]
+            for o in range(Dout):
+                acc[o] = bias[h, o]
+            for i in range(Din):
+                xi = widen(x[b, h * Din + i])
+                wi = w[h, i]
+                for o in range(Dout):
+                    acc[o] += xi * widen(wi[o])
+
+
+def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """x (..., H Din) times the block-diagonal ``weight`` (H, Din, Dout) (float32 or bfloat16, as
+    :class:`griffin.layers.BlockDiagonalLinear` holds it) plus ``bias`` (H, Dout) float32: (..., H Dout) in x's
+    dtype."""
+    H, Din, Dout = weight.shape
+    if x.shape[-1] != H * Din:
+        raise ValueError(f"block_diagonal_cpu: input width {x.shape[-1]} != the weights' {H} x {Din}")
+    w = weight.detach()
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" or not w.is_contiguous():
+        raise ValueError(f"block_diagonal_cpu reads contiguous float32 or bfloat16 CPU weights, got {w.dtype} on "
+                         f"{w.device}")
+    flat = x.reshape(-1, H * Din)
+    rows = flat.contiguous().view(torch.uint16) if flat.dtype == torch.bfloat16 else flat.float().contiguous()
+    out = torch.empty(flat.shape[0], H * Dout, dtype=torch.float32)
+    if flat.shape[0]:
+        _block_diagonal_kernel(rows.numpy(), (w.view(torch.uint16) if w.dtype == torch.bfloat16 else w).numpy(),
+                               bias.numpy(), out.numpy())
+    return out.reshape(*x.shape[:-1], H * Dout).to(x.dtype)
+
+
 def storage_view(weight: Tensor) -> np.ndarray:
     """The numpy array the kernel reads (no copy): bfloat16 as its uint16 bits, float32 and int8 as they are."""
     if weight.dtype not in WEIGHT_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
@@ -266,19 +373,44 @@ def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None
     (default x's)."""
     if x.shape[-1] != prepared.in_features:
         raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    out = torch.empty(rows.shape[0], prepared.out_features, dtype=torch.float32)
-    if rows.shape[0] == 1:  # a matrix at a time: the one-row kernel reads it at close to memory bandwidth
-        column, x1, o = 0, rows.numpy()[0], out.numpy()[0]
-        for w in prepared.arrays[: prepared.matrices]:
-            n = w.shape[0]
-            _one_row_kernel(x1, w, prepared.scale[column : column + n], prepared.bias[column : column + n],
-                            o[column : column + n])
-            column += n
-    elif rows.shape[0]:
-        _matvec_kernel(rows.numpy(), prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty(flat.shape[0], prepared.out_features, dtype=torch.float32)
+    if flat.shape[0] == 1:
+        _one_row(flat[0], prepared, out.numpy()[0])
+    elif flat.shape[0]:
+        rows = flat.to(torch.float32).contiguous().numpy()
+        _matvec_kernel(rows, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
     out = out.reshape(*x.shape[:-1], prepared.out_features)
     return out.to(out_dtype or x.dtype)
+
+
+def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
+    """out (N,) = x (K,) times the prepared matrices, a matrix at a time (each read at close to memory bandwidth):
+    through the host's multiply-accumulate instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`) for bfloat16 x
+    and weights, and for int8 weights and a finite x (rounded to int16 steps,
+    :func:`griffin.ops.matvec.reference.quantize_row_int16`); else widened to float32 (:func:`_one_row_kernel`)."""
+    dtype = prepared.arrays[0].dtype
+    x = x.contiguous()
+    bits = (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()  # what widen() reads
+    path = "float32"
+    if dtype == np.uint16 and x.dtype == torch.bfloat16 and "bfloat16" in FAST_DOTS:
+        path = "bfloat16"
+    elif dtype == np.int8 and "int8" in FAST_DOTS:
+        xq = np.empty(x.shape[0], np.int16)
+        step = _quantize_row_int16(bits, xq)
+        path = "int8" if step else path  # 0: an inf or NaN entry, which int16 steps cannot hold
+    if path == "float32":
+        xf = bits if bits.dtype == np.float32 else x.to(torch.float32).numpy()
+    column = 0
+    for w in prepared.arrays[: prepared.matrices]:
+        rows = slice(column, column + w.shape[0])
+        if path == "bfloat16":
+            _one_row_bf16_kernel(bits, w, prepared.bias[rows], out[rows])
+        elif path == "int8":
+            _one_row_int8_kernel(xq, step, w, prepared.scale[rows], prepared.bias[rows], out[rows])
+        else:
+            _one_row_kernel(xf, w, prepared.scale[rows], prepared.bias[rows], out[rows])
+        column += w.shape[0]
 
 
 # An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the
@@ -302,3 +434,12 @@ _LIB.impl("matvec", matvec_op, "CPU")
 @torch.library.register_fake("griffin::matvec", lib=_LIB)
 def _(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], scale.shape[0])
+
+
+_LIB.define("block_diagonal(Tensor x, Tensor weight, Tensor bias) -> Tensor")
+_LIB.impl("block_diagonal", block_diagonal_cpu, "CPU")
+
+
+@torch.library.register_fake("griffin::block_diagonal", lib=_LIB)
+def _(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0] * weight.shape[2])

@@ -59,6 +59,22 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     return (q.float().reshape(n, g, k // g) * scale.float()[..., None]).reshape(n, k).to(dtype)
 
 
+INT16_MAX = 32767
+
+
+def quantize_row_int16(x: Tensor) -> tuple[Tensor, float]:
+    """One input row (K,) as int16 steps of ``step`` = max |x| / 32767 (1 for a zero row; computed in float32),
+    rounded to nearest even: the form in which the int8 kernel's ``vpdpwssd`` path multiplies it
+    (:mod:`griffin.ops.matvec.isa`). Each entry moves by at most step / 2, i.e. max |x| / 65534 (bfloat16 rounds
+    any entry above max |x| / 128 by more). x must be finite."""
+    xf = x.detach().float()
+    amax = xf.abs().max() if xf.numel() else torch.zeros(())
+    if not torch.isfinite(amax):
+        raise ValueError("quantize_row_int16: the row has an infinite or NaN entry")
+    step = amax / INT16_MAX if amax > 0 else torch.ones(())
+    return torch.round(xf / step).clamp_(-INT16_MAX, INT16_MAX).to(torch.int16), float(step)
+
+
 def matvec_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor | None] | None = None,
                biases: Sequence[Tensor | None] | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
     """x (..., in) times each weight (out_j, in), transposed, plus its bias, the outputs concatenated along the last
