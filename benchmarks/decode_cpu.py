@@ -18,7 +18,7 @@ and reports:
 One model is held at a time (float32, then bfloat16, then its int8 quantisation; the HF model beside the bfloat16
 one), so that a 2.7B model fits 24 GiB. A step is timed from one token to the next: after ``--warmup`` steps, the
 median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by self time per step (bfloat16 and int8,
-batch 1, the first model), the matvec kernel (numba, not an aten operator) recorded as ``matvec (numba)``.
+batch 1, the first model), the numba kernels (not aten operators) recorded under their own names.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from griffin import CausalLM, ModelConfig, generate_stream
 from griffin.inference.generate import weight_bytes
-from griffin.inference.matvec import MatvecLinear
+from griffin.inference.matvec import MatvecBlockDiagonal, MatvecLinear
 from griffin.quantize import quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -104,14 +104,19 @@ def hf_loop(hf: Any, prompts: torch.Tensor, n: int) -> Callable:
 
 def profile_steps(loop: Callable, top: int) -> list[dict]:
     """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
-    step left out); the matvec kernel's calls appear as ``matvec (numba)``."""
+    step left out); the numba kernels' calls appear as ``matvec (numba)`` and ``block-diagonal gates (numba)``, and
+    the step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    forward = MatvecLinear.forward
+    labels = {MatvecLinear: "matvec (numba)", MatvecBlockDiagonal: "block-diagonal gates (numba)"}
+    forwards = {cls: cls.forward for cls in labels}
 
-    def recorded(self: MatvecLinear, x: torch.Tensor) -> Any:
-        with record_function("matvec (numba)"):
-            return forward(self, x)
+    def recorded(cls: type) -> Callable:
+        def forward(self: torch.nn.Module, x: torch.Tensor) -> Any:
+            with record_function(labels[cls]):
+                return forwards[cls](self, x)
+
+        return forward
 
     prof, stamps = profile(activities=[ProfilerActivity.CPU]), []
 
@@ -120,15 +125,21 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
         if len(stamps) == 2:
             prof.start()
 
-    MatvecLinear.forward = recorded
+    for cls in labels:
+        cls.forward = recorded(cls)
     try:
         loop(on_token)
     finally:
-        MatvecLinear.forward = forward
+        for cls, forward in forwards.items():
+            cls.forward = forward
     prof.stop()
     steps = len(stamps) - 2
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-    return [dict(op=e.key, calls=e.count / steps, self_ms=e.self_cpu_time_total / steps / 1e3) for e in events]
+    events = prof.key_averages()
+    wall_ms = (stamps[-1] - stamps[1]) / steps * 1e3
+    outside = wall_ms - sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    rows = [dict(op=e.key, calls=e.count / steps, self_ms=e.self_cpu_time_total / steps / 1e3) for e in events]
+    rows.append(dict(op="outside operators", calls=1.0, self_ms=outside))
+    return sorted(rows, key=lambda r: -r["self_ms"])[:top]
 
 
 def hf_from(model: CausalLM, directory: Path) -> Any:

@@ -1,0 +1,138 @@
+"""One input row times a weight matrix on CPU (Section 5.1): the matvec kernel's read rate against the machine's.
+
+A decode step at batch 1 is a sequence of ``x W^T`` for one row x, each bound by reading W. For the weight shapes
+of a 1.3B Griffin (``griffin-1.3b``: the MLP's 2048 -> 6144 and 6144 -> 2048, the recurrent branch's 2048 -> 2560, the
+output layer's 2048 -> 32000) and each weight dtype, this script times, side by side in rounds:
+
+- ``griffin``: :func:`griffin.ops.matvec.cpu.matvec_cpu` as the decoder calls it (bfloat16 activations; on a host
+  with AVX-512 BF16 / VNNI the one-row path through ``vdpbf16ps`` / ``vpdpwssd``);
+- ``griffin generic``: the same with ``GRIFFIN_MATVEC=generic``'s path (weights widened to float32 one by one);
+- ``F.linear``: PyTorch's matmul (oneDNN) on the same weights (float32 or bfloat16);
+- ``int8pack``: PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, what gpt-fast and torchao use on
+  CPU), bfloat16 activations, per-channel scales;
+- ``sum``: a warm ``torch.sum`` over as many bytes of float32 ones, the read rate the kernel can at best reach.
+
+Each matrix is held in several copies (together beyond the 32 MiB L3), used in turn, so that every call reads its
+weights from memory. Reported: the median over ``--rounds`` rounds of GB of weights read per second, and the ratio
+to ``sum`` measured in the same round.
+
+    flock /tmp/griffin-bench.lock python benchmarks/matvec_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as griffin sets it, but torch is imported first here
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from griffin.ops.matvec import cpu as matvec_module  # noqa: E402
+from griffin.ops.matvec import quantize_int8  # noqa: E402
+from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, progress, table, write_json  # noqa: E402
+
+SHAPES = {"mlp up 2048->6144": (6144, 2048), "mlp down 6144->2048": (2048, 6144),
+          "recurrent 2048->2560": (2560, 2048), "output 2048->32000": (32000, 2048)}
+L3_BYTES = 32 << 20
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generator) -> dict[str, Callable]:
+    """name -> a function reading the next copy of a (rows, cols) matrix of ``dtype`` once per call."""
+    base = torch.randn(rows, cols, generator=gen) / cols**0.5
+    x = torch.randn(1, cols, generator=gen).bfloat16()
+    if dtype == "int8":
+        q, scale = quantize_int8(base)
+        weights = [q.clone() for _ in range(copies)]
+        prepared = [MatvecWeights.prepare([w], [scale]) for w in weights]
+        scale_bf16 = scale[:, 0].bfloat16()
+        linear = {"int8pack": lambda w: torch._weight_int8pack_mm(x, w, scale_bf16)}
+    else:
+        tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        weights = [base.to(tdtype) for _ in range(copies)]
+        prepared = [MatvecWeights.prepare([w]) for w in weights]
+        xl = x.to(tdtype)
+        linear = {"F.linear": lambda w: F.linear(xl, w)}
+    xg = x if dtype != "float32" else x.float()
+    ones = [torch.ones(w.numel() * w.element_size() // 4) for w in weights]  # the same bytes, as float32 ones
+    turn = {"i": 0}
+
+    def cycling(fn: Callable) -> Callable[[], object]:
+        def call() -> object:
+            turn["i"] = (turn["i"] + 1) % copies
+            return fn(turn["i"])
+
+        return call
+
+    def generic(i: int) -> object:
+        fast, matvec_module.FAST_DOTS = matvec_module.FAST_DOTS, frozenset()
+        try:
+            return matvec_cpu(xg, prepared[i])
+        finally:
+            matvec_module.FAST_DOTS = fast
+
+    out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
+    out.update({name: cycling(lambda i, fn=fn: fn(weights[i])) for name, fn in linear.items()})
+    out["sum"] = cycling(lambda i: ones[i].sum())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "int8", "float32"],
+                   choices=["bfloat16", "int8", "float32"])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/matvec_cpu.json")
+    args = p.parse_args(argv)
+    gen = torch.Generator().manual_seed(args.seed)
+    start, rows = time.perf_counter(), []
+    print(f"{machine_info(torch.device('cpu'))}; fast one-row instructions for: "
+          f"{sorted(matvec_module.FAST_DOTS) or 'none'}")
+    bar = progress(len(SHAPES) * len(args.dtypes), "matrices")
+    for dtype in args.dtypes:
+        for shape_name, (n, k) in SHAPES.items():
+            nbytes = n * k * {"bfloat16": 2, "int8": 1, "float32": 4}[dtype]
+            fns = candidates(n, k, dtype, max(2, -(-2 * L3_BYTES // nbytes)), gen)
+            for fn in fns.values():  # compile, page in
+                fn()
+                fn()
+            rates: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    rates[name].append(nbytes / timed(fn) / 1e9)
+            for name in fns:
+                if name == "sum":
+                    continue
+                ratio = [r / s for r, s in zip(rates[name], rates["sum"], strict=True)]
+                rows.append(dict(dtype=dtype, matrix=shape_name, path=name, mb=nbytes / 1e6,
+                                 gbps=statistics.median(rates[name]), sum_gbps=statistics.median(rates["sum"]),
+                                 of_sum=statistics.median(ratio), us=nbytes / statistics.median(rates[name]) / 1e3))
+            bar.update()
+    bar.close()
+    print(table(rows, [("weights", "dtype", ""), ("matrix", "matrix", ""), ("path", "path", ""), ("MB", "mb", ".1f"),
+                       ("us/call", "us", ".0f"), ("GB/s", "gbps", ".1f"), ("sum GB/s", "sum_gbps", ".1f"),
+                       ("of sum", "of_sum", ".0%")]))
+    write_json(args.out, dict(command="python " + " ".join(sys.argv), machine=machine_info(torch.device("cpu")),
+                              fast_dots=sorted(matvec_module.FAST_DOTS), rounds=args.rounds,
+                              wall_s=time.perf_counter() - start, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
