@@ -167,6 +167,8 @@ def test_kernel_input_shapes(gen):
         MatvecWeights.prepare([weights[0], weights[1].bfloat16()])
     with pytest.raises(ValueError, match="need their scales"):
         MatvecWeights.prepare([quantize_int8(weights[0])[0]])
+    with pytest.raises(ValueError, match="scales are for int8 weights, not torch.bfloat16"):
+        MatvecWeights.prepare([weights[0].bfloat16()], [torch.ones(weights[0].shape[0], 1)])
     with pytest.raises(ValueError, match="float16"):
         MatvecWeights.prepare([weights[0].half()])
 

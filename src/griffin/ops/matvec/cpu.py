@@ -356,6 +356,8 @@ class MatvecWeights:
         biases = list(biases) if biases is not None else [None] * len(weights)
         if quantized and any(s is None for s in scales):
             raise ValueError("matvec: int8 weights need their scales")
+        if not quantized and any(s is not None for s in scales):
+            raise ValueError(f"matvec: scales are for int8 weights, not {weights[0].dtype} ones")
         groups = {1 if s is None else s.shape[1] for s in scales}
         if len(groups) != 1 or K % groups.pop():
             raise ValueError(f"matvec: the weights' scales must have one group count dividing {K}, got "
