@@ -5,7 +5,7 @@ of a 1.3B Griffin (``griffin-1.3b``: the MLP's 2048 -> 6144 and 6144 -> 2048, th
 output layer's 2048 -> 32000) and each weight dtype, this script times, side by side in rounds:
 
 - ``griffin``: :func:`griffin.ops.matvec.cpu.matvec_cpu` as the decoder calls it (bfloat16 activations; on a host
-  with AVX-512 BF16 / VNNI the one-row path through ``vdpbf16ps`` / ``vpdpwssd``);
+  with AVX-512 BF16 / VNNI the one-row path through ``vdpbf16ps`` / ``vpdpbusd``);
 - ``griffin generic``: the same with ``GRIFFIN_MATVEC=generic``'s path (weights widened to float32 one by one);
 - ``F.linear``: PyTorch's matmul (oneDNN) on the same weights (float32 or bfloat16);
 - ``int8pack``: PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, what gpt-fast and torchao use on

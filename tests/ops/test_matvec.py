@@ -7,7 +7,7 @@ import torch
 from griffin.ops.matvec import check_group_size, dequantize_int8, matvec_ref, quantize_int8
 from griffin.ops.matvec import cpu as matvec_module
 from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu, matvec_op, tiles_for
-from griffin.ops.matvec.isa import FAST_DOTS, INT16_CHUNK, VECTOR
+from griffin.ops.matvec.isa import DOT_CHUNK, FAST_DOTS, VECTOR
 from griffin.ops.matvec.reference import quantize_row_int16
 
 ROWS = (37, 16, 5)  # odd counts and a lone row: every tile shape, tiles ending inside a matrix
@@ -51,7 +51,8 @@ def test_kernel_equals_reference(gen, dtype, group_size, batch):
     assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
     # The same through the operator that torch.compile calls, and with bfloat16 activations (output in bf16).
     tiles = tiles_for([w.shape[0] for w in weights])
-    op = matvec_op(x, weights, tiles, torch.from_numpy(prepared.scale), torch.from_numpy(prepared.bias))
+    op = matvec_op(x, weights, tiles, torch.from_numpy(prepared.scale), torch.from_numpy(prepared.bias),
+                   torch.from_numpy(prepared.sums))
     assert torch.equal(op, got)
     xb = x.bfloat16()
     got_b = matvec_cpu(xb, prepared)
@@ -84,7 +85,7 @@ def test_bf16_instruction_path_equals_reference(gen, rows):
 @host_has("int8")
 @pytest.mark.parametrize("group_size", [0, 8, 16, 136])
 def test_int8_instruction_path_is_within_the_rounding_of_x(gen, group_size):
-    """int8 weights times one row rounded to int16 steps (``vpdpwssd``, exact integer sums; groups of 136 mix the
+    """int8 weights times one row rounded to int16 steps (``vpdpbusd``, exact integer sums; groups of 136 mix the
     vector loop and the tail, groups of 8 and 16 are all tail): equal to the reference of the rounded row up to
     float32 rounding, and within step / 2 * sum |W| of the reference of the row as given."""
     K = 2 * 136
@@ -101,33 +102,37 @@ def test_int8_instruction_path_is_within_the_rounding_of_x(gen, group_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_rounds_x_to_int16_steps_as_the_reference(gen, dtype):
-    """The kernel's own rounding of a row to int16 steps (numba, before the int8 kernel) is the reference's, bit for
-    bit: the same float32 step and quotients, ties to even; 0 for a row with inf or NaN, and a zero row."""
+    """The kernel's own rounding of a row to int16 steps (numba, before the int8 kernel; written as the bytes of
+    x + 32768) is the reference's, bit for bit: the same float32 step and quotients, ties to even; 0 for a row with
+    inf or NaN, and a zero row."""
     x = (torch.randn(300, generator=gen) * torch.rand(300, generator=gen) ** 4).to(dtype)
     x[5] = x.abs().max() * 0.5  # a tie or two: exactly half of 32767 steps is 16383.5
     bits = (x.view(torch.uint16) if dtype == torch.bfloat16 else x).numpy()
-    q = np.empty(300, np.int16)
-    step = matvec_module._quantize_row_int16(bits, q)
+    high, low = np.empty(300, np.uint8), np.empty(300, np.uint8)
+    step = matvec_module._quantize_row_int16(bits, high, low)
     ref_q, ref_step = quantize_row_int16(x)
-    assert step == ref_step and torch.equal(torch.from_numpy(q), ref_q)
-    assert matvec_module._quantize_row_int16(np.zeros(8, np.float32), q[:8]) == 1.0 and not q[:8].any()
+    q = torch.from_numpy(high.astype(np.int32) * 256 + low - 32768)
+    assert step == ref_step and torch.equal(q, ref_q.int())
+    assert matvec_module._quantize_row_int16(np.zeros(8, np.float32), high[:8], low[:8]) == 1.0
+    assert (high[:8] == 128).all() and not low[:8].any()
     for bad in (float("inf"), float("nan")):
         x[7] = bad
-        assert matvec_module._quantize_row_int16(x.float().numpy(), q) == 0.0
+        assert matvec_module._quantize_row_int16(x.float().numpy(), high, low) == 0.0
         with pytest.raises(ValueError, match="infinite or NaN"):
             quantize_row_int16(x)
 
 
 @host_has("int8")
-def test_int8_instruction_path_does_not_overflow(gen):
-    """The largest int16 and int8 values over more inputs than one int32 sum can hold (2^31 / (32767 * 127) ~ 516
-    products per lane): exact int32 lanes over chunks of INT16_CHUNK inputs, summed in float32."""
-    K = 2 * INT16_CHUNK + VECTOR + 8
-    q = torch.full((2, K), 127, dtype=torch.int8)
-    q[1] = -127
-    x = torch.full((1, K), 3.0)
-    got = matvec_cpu(x, MatvecWeights.prepare([q], [torch.ones(2, 1)]))
-    assert torch.allclose(got, torch.tensor([[381.0 * K, -381.0 * K]]), rtol=1e-6, atol=0)
+@pytest.mark.parametrize("value", [3.0, -3.0])
+def test_int8_instruction_path_does_not_overflow(gen, value):
+    """The extreme int16 and int8 values (x = +-32767 steps, w = +-127 and -128) over more inputs than one sum of
+    vpdpbusd's int32 lanes holds exactly (chunks of DOT_CHUNK): the exact products, summed in int64."""
+    K = 2 * DOT_CHUNK + VECTOR + 8
+    q = torch.full((3, K), 127, dtype=torch.int8)
+    q[1], q[2] = -127, -128
+    x = torch.full((1, K), value)
+    got = matvec_cpu(x, MatvecWeights.prepare([q], [torch.ones(3, 1)]))
+    assert torch.allclose(got, value * K * torch.tensor([[127.0, -127.0, -128.0]]), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])

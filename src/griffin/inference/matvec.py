@@ -66,11 +66,12 @@ class MatvecLinear(nn.Module):
         self.register_buffer("tiles", torch.from_numpy(self.prepared.tiles), persistent=False)
         self.register_buffer("scale", torch.from_numpy(self.prepared.scale), persistent=False)
         self.register_buffer("bias", torch.from_numpy(self.prepared.bias), persistent=False)
+        self.register_buffer("sums", torch.from_numpy(self.prepared.sums), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         if torch.compiler.is_compiling():
             weights = [getattr(self, f"weight{j}") for j in range(len(self.sizes))]
-            out = torch.ops.griffin.matvec.default(x, weights, self.tiles, self.scale, self.bias)
+            out = torch.ops.griffin.matvec.default(x, weights, self.tiles, self.scale, self.bias, self.sums)
         else:
             out = matvec_cpu(x, self.prepared)
         return tuple(out.split(self.sizes, -1)) if self.group else out

@@ -11,14 +11,16 @@ that LLVM vectorises over the inputs (AVX2/AVX-512). Output rows are split among
 call, one parallel region over the tiles of all of them, with no copy of the weights.
 
 At one input row on a host with AVX-512 BF16 / VNNI (:mod:`griffin.ops.matvec.isa`), bfloat16 weights times a
-bfloat16 row go through ``vdpbf16ps`` and int8 weights through ``vpdpwssd`` with the row rounded to int16 steps of
+bfloat16 row go through ``vdpbf16ps`` and int8 weights through ``vpdpbusd`` with the row rounded to int16 steps of
 max |x| / 32767 (:func:`griffin.ops.matvec.reference.quantize_row_int16`, an error below bfloat16's own rounding of
-the row's larger entries): 32 weights per instruction instead of one widening and one multiply-add each, which is
-what kept the widened loop below the read bandwidth. The RG-LRU's block-diagonal gates have their own kernel
-(:func:`block_diagonal_cpu`), which reads each block once per row.
+the row's larger entries; the sums over int8 weights are then exact integers): 32 or 64 weights per instruction
+instead of one widening and one multiply-add each, which is what kept the widened loop below the read bandwidth.
+The RG-LRU's block-diagonal gates have their own kernel (:func:`block_diagonal_cpu`), which reads each block once
+per row.
 
-Numerics: float32 products and sums (reassociated: the order differs from ``F.linear``'s by rounding only), then
-the scale of each group, the bias, and the cast to the output dtype.
+Numerics: float32 products and sums (reassociated: the order differs from ``F.linear``'s by rounding only; exact
+int64 sums for int8 weights on the instruction path), then the scale of each group, the bias, and the cast to the
+output dtype.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.isa import FAST_DOTS, INT16_CHUNK, VECTOR, dot_bf16, dot_int16_int8
+from griffin.ops.matvec.isa import DOT_CHUNK, FAST_DOTS, VECTOR, dot_bf16, dot_uint16_int8
 from griffin.ops.matvec.reference import INT16_MAX
 
 TILE = 16  # output rows per task
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
 
 
 @intrinsic
@@ -188,70 +191,77 @@ def _matvec_kernel(x, weights, tiles, scale, bias, out):  # type: ignore[no-unty
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _one_row_kernel(x, w, scale, bias, out):  # type: ignore[no-untyped-def]
-    """out = x w^T for one input row: x (K,) float32, w (N, K) as stored, scale (N, G), bias (N,), out (N,) float32.
-    One weight row at a time, one accumulator chain per group, which LLVM vectorises over K; rows in tiles of
-    :data:`TILE` per task."""
-    N, K = w.shape
-    G = scale.shape[1]
-    group = K // G
-    for t in prange((N + TILE - 1) // TILE):
-        for i in range(t * TILE, min(N, t * TILE + TILE)):
-            row = w[i]
+def _one_row_kernel(x, weights, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = x W^T for one input row: x (K,) float32, the weights and tiles as in :func:`_matvec_kernel`, out (N,)
+    float32. One weight row at a time, one accumulator chain per group, which LLVM vectorises over K."""
+    K = x.shape[0]
+    group = K // scale.shape[1]
+    for t in prange(tiles.shape[0]):
+        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        w = weights[j]
+        for i in range(rows):
+            row, c = w[r0 + i], c0 + i
             total = np.float32(0.0)
-            for g in range(G):
+            for g in range(scale.shape[1]):
                 acc = np.float32(0.0)
-                for k in range(group):
+                for k in range(group):  # (not range(g * group, ...): LLVM vectorises this form only)
                     acc += x[g * group + k] * widen(row[g * group + k])
-                total += acc * scale[i, g]
-            out[i] = total + bias[i]
+                total += acc * scale[c, g]
+            out[c] = total + bias[c]
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _one_row_bf16_kernel(x, w, bias, out):  # type: ignore[no-untyped-def]
-    """out = x w^T + bias for one bfloat16 row: x (K,) and w (N, K) as their uint16 bits, bias and out (N,) float32.
-    The first K - K mod VECTOR inputs through ``vdpbf16ps`` (:func:`griffin.ops.matvec.isa.dot_bf16`), the rest
-    widened as in :func:`_one_row_kernel`."""
-    N, K = w.shape
+def _one_row_bf16_kernel(x, weights, tiles, bias, out):  # type: ignore[no-untyped-def]
+    """out = x W^T + bias for one bfloat16 row x (K,) and bfloat16 weights, both as their uint16 bits (tiles as in
+    :func:`_matvec_kernel`; bias and out (N,) float32): the first K - K mod VECTOR inputs through ``vdpbf16ps``
+    (:func:`griffin.ops.matvec.isa.dot_bf16`), the rest widened."""
+    K = x.shape[0]
     kv = K - K % VECTOR
-    for t in prange((N + TILE - 1) // TILE):
-        for i in range(t * TILE, min(N, t * TILE + TILE)):
-            row = w[i]
+    for t in prange(tiles.shape[0]):
+        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        w = weights[j]
+        for i in range(rows):
+            row, c = w[r0 + i], c0 + i
             acc = dot_bf16(x, row, 0, kv)
             for k in range(kv, K):
                 acc += widen(x[k]) * widen(row[k])
-            out[i] = acc + bias[i]
+            out[c] = acc + bias[c]
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _one_row_int8_kernel(x, step, w, scale, bias, out):  # type: ignore[no-untyped-def]
-    """out = step (x w^T, each group times its scale) + bias for one row x (K,) int16 (steps of ``step``,
-    :func:`griffin.ops.matvec.reference.quantize_row_int16`) and int8 w (N, K) with float32 scale (N, G): sums
-    through ``vpdpwssd`` (:func:`griffin.ops.matvec.isa.dot_int16_int8`) over the first group - group mod
-    VECTOR inputs of each group, in chunks of :data:`INT16_CHUNK`; float32 products (exact) for the rest."""
-    N, K = w.shape
+def _one_row_int8_kernel(high, low, step, weights, tiles, sums, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = step (x W^T, each group times its scale) + bias for one row x (K,) of int16 steps of ``step``
+    (:func:`griffin.ops.matvec.reference.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
+    ``low``), and int8 weights (tiles as in :func:`_matvec_kernel`) with float32 ``scale`` (N, G) and ``sums``
+    (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`). Over those,
+    x w = u w - 32768 sum(w) through ``vpdpbusd`` (:func:`griffin.ops.matvec.isa.dot_uint16_int8`); the rest of the
+    group one product at a time. Each group's sum is exact (int64) until it is scaled."""
+    K = high.shape[0]
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
-    for t in prange((N + TILE - 1) // TILE):
-        for i in range(t * TILE, min(N, t * TILE + TILE)):
-            row = w[i]
+    for t in prange(tiles.shape[0]):
+        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        w = weights[j]
+        for i in range(rows):
+            row, c = w[r0 + i], c0 + i
             total = np.float32(0.0)
             for g in range(G):
                 k0 = g * group
-                acc = np.float32(0.0)
-                for c in range(0, gv, INT16_CHUNK):
-                    acc += dot_int16_int8(x, row, k0 + c, min(INT16_CHUNK, gv - c))
+                acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
+                for d in range(0, gv, DOT_CHUNK):
+                    acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d))
                 for k in range(k0 + gv, k0 + group):
-                    acc += np.float32(x[k]) * np.float32(row[k])
-                total += acc * scale[i, g]
-            out[i] = total * step + bias[i]
+                    acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(row[k])
+                total += np.float32(acc) * scale[c, g]
+            out[c] = total * step + bias[c]
 
 
 @numba.njit(fastmath=False, cache=True)
-def _quantize_row_int16(x, out):  # type: ignore[no-untyped-def]
-    """:func:`griffin.ops.matvec.reference.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits)
-    into out (K,) int16, the same float32 operations; returns the step, or 0 if x has an infinite or NaN entry."""
+def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
+    """:func:`griffin.ops.matvec.reference.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits),
+    the same float32 operations, written as the high and low bytes (K,) uint8 of u = x_int16 + 32768; returns the
+    step, or 0 if x has an infinite or NaN entry."""
     amax = np.float32(0.0)
     for k in range(x.shape[0]):
         v = abs(widen(x[k]))
@@ -260,8 +270,17 @@ def _quantize_row_int16(x, out):  # type: ignore[no-untyped-def]
         amax = max(amax, v)
     step = amax / np.float32(INT16_MAX) if amax > 0 else np.float32(1.0)
     for k in range(x.shape[0]):
-        out[k] = np.int16(min(max(np.rint(widen(x[k]) / step), -INT16_MAX), INT16_MAX))
+        u = np.int32(min(max(np.rint(widen(x[k]) / step), -INT16_MAX), INT16_MAX)) + OFFSET
+        high[k], low[k] = np.uint8(u >> 8), np.uint8(u & 255)
     return step
+
+
+def vector_sums(weight: Tensor, groups: int) -> Tensor:
+    """(N, groups) int32: for an int8 (N, K) matrix, the sum of each group's first group - group mod VECTOR weights
+    (what :func:`_one_row_int8_kernel` multiplies through ``vpdpbusd``)."""
+    n, k = weight.shape
+    group = k // groups
+    return weight.detach().reshape(n, groups, group)[..., : group - group % VECTOR].sum(-1, dtype=torch.int32)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
@@ -333,12 +352,14 @@ def tiles_for(rows: Sequence[int], tile: int = TILE) -> Tensor:
 @dataclass
 class MatvecWeights:
     """Matrices that read one input, prepared once for :func:`matvec_cpu`: their storage views (shared with the
-    tensors), tiles, and the concatenated float32 scales (ones for float weights) and biases (zeros if none)."""
+    tensors), tiles, and concatenated over the matrices: the float32 scales (ones for float weights), biases (zeros
+    if none) and int8 weights' :func:`vector_sums` (zeros for float weights)."""
 
     arrays: tuple[np.ndarray, ...]
     tiles: np.ndarray
     scale: np.ndarray
     bias: np.ndarray
+    sums: np.ndarray
     in_features: int
     out_features: int
     matrices: int = SLOTS  # how many of ``arrays`` are matrices (the rest pad the tuple)
@@ -366,8 +387,10 @@ class MatvecWeights:
                            for w, s in zip(weights, scales, strict=True)])
         bias = torch.cat([torch.zeros(w.shape[0]) if b is None else b.detach().float()
                           for w, b in zip(weights, biases, strict=True)])
+        sums = torch.cat([vector_sums(w, scale.shape[1]) if quantized else torch.zeros(w.shape[0], 1, dtype=torch.int32)
+                          for w in weights])
         return cls(arrays, tiles_for([w.shape[0] for w in weights]).numpy(), scale.contiguous().numpy(),
-                   bias.contiguous().numpy(), K, int(scale.shape[0]), len(weights))
+                   bias.contiguous().numpy(), sums.numpy(), K, int(scale.shape[0]), len(weights))
 
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
@@ -387,46 +410,39 @@ def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None
 
 
 def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
-    """out (N,) = x (K,) times the prepared matrices, a matrix at a time (each read at close to memory bandwidth):
-    through the host's multiply-accumulate instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`) for bfloat16 x
-    and weights, and for int8 weights and a finite x (rounded to int16 steps,
-    :func:`griffin.ops.matvec.reference.quantize_row_int16`); else widened to float32 (:func:`_one_row_kernel`)."""
+    """out (N,) = x (K,) times the prepared matrices, one parallel region over all of them: through the host's
+    multiply-accumulate instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`) for bfloat16 x and weights, and for
+    int8 weights and a finite x (rounded to int16 steps, :func:`griffin.ops.matvec.reference.quantize_row_int16`);
+    else widened to float32 (:func:`_one_row_kernel`)."""
     dtype = prepared.arrays[0].dtype
     x = x.contiguous()
     bits = (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()  # what widen() reads
-    path = "float32"
     if dtype == np.uint16 and x.dtype == torch.bfloat16 and "bfloat16" in FAST_DOTS:
-        path = "bfloat16"
-    elif dtype == np.int8 and "int8" in FAST_DOTS:
-        xq = np.empty(x.shape[0], np.int16)
-        step = _quantize_row_int16(bits, xq)
-        path = "int8" if step else path  # 0: an inf or NaN entry, which int16 steps cannot hold
-    if path == "float32":
-        xf = bits if bits.dtype == np.float32 else x.to(torch.float32).numpy()
-    column = 0
-    for w in prepared.arrays[: prepared.matrices]:
-        rows = slice(column, column + w.shape[0])
-        if path == "bfloat16":
-            _one_row_bf16_kernel(bits, w, prepared.bias[rows], out[rows])
-        elif path == "int8":
-            _one_row_int8_kernel(xq, step, w, prepared.scale[rows], prepared.bias[rows], out[rows])
-        else:
-            _one_row_kernel(xf, w, prepared.scale[rows], prepared.bias[rows], out[rows])
-        column += w.shape[0]
+        _one_row_bf16_kernel(bits, prepared.arrays, prepared.tiles, prepared.bias, out)
+        return
+    if dtype == np.int8 and "int8" in FAST_DOTS:
+        high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
+        step = _quantize_row_int16(bits, high, low)
+        if step:  # else an inf or NaN entry, which int16 steps cannot hold
+            _one_row_int8_kernel(high, low, step, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale,
+                                 prepared.bias, out)
+            return
+    xf = bits if bits.dtype == np.float32 else x.to(torch.float32).numpy()
+    _one_row_kernel(xf, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out)
 
 
 # An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the
 # kernel as it is (a plain ``torch.library`` definition, as ``griffin::prepacked_linear``: no per-call checks).
 _LIB = torch.library.Library("griffin", "FRAGMENT")
-_LIB.define("matvec(Tensor x, Tensor[] weights, Tensor tiles, Tensor scale, Tensor bias) -> Tensor")
+_LIB.define("matvec(Tensor x, Tensor[] weights, Tensor tiles, Tensor scale, Tensor bias, Tensor sums) -> Tensor")
 
 
-def matvec_op(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
-    """``griffin::matvec``: :func:`matvec_cpu` from tensors (tiles from :func:`tiles_for`; float32 scale (N, G)
-    and bias (N,) concatenated over the matrices), output in x's dtype."""
+def matvec_op(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor, sums: Tensor) -> Tensor:
+    """``griffin::matvec``: :func:`matvec_cpu` from tensors (tiles from :func:`tiles_for`; float32 scale (N, G),
+    bias (N,) and int32 sums (N, G) as :class:`MatvecWeights` holds them), output in x's dtype."""
     arrays = padded(tuple(storage_view(w) for w in weights))
-    prepared = MatvecWeights(arrays, tiles.numpy(), scale.numpy(), bias.numpy(), int(weights[0].shape[1]),
-                             int(scale.shape[0]), len(weights))
+    prepared = MatvecWeights(arrays, tiles.numpy(), scale.numpy(), bias.numpy(), sums.numpy(),
+                             int(weights[0].shape[1]), int(scale.shape[0]), len(weights))
     return matvec_cpu(x, prepared)
 
 
@@ -434,7 +450,7 @@ _LIB.impl("matvec", matvec_op, "CPU")
 
 
 @torch.library.register_fake("griffin::matvec", lib=_LIB)
-def _(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
+def _(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tensor, sums: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], scale.shape[0])
 
 

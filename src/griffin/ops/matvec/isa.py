@@ -3,17 +3,21 @@ numba intrinsics for the one-row matvec kernel (:mod:`griffin.ops.matvec.cpu`, S
 
 A decode step at one row reads each weight once and does one multiply-add with it. Widened to float32 one by one,
 the weights are consumed at a rate that leaves the memory system idle part of the time; these instructions take 32
-narrow pairs at once, so the kernel streams the weights at close to the read bandwidth:
+or 64 narrow pairs at once, so the kernel streams the weights at close to the read bandwidth:
 
 - :func:`dot_bf16` ``(x, w, start, n)``: the float32 sum over k in [start, start + n) of x[k] w[k], x and w
   bfloat16 (held as their uint16 bits); ``vdpbf16ps``: exact products, float32 sums (subnormal bfloat16 inputs
   count as zero);
-- :func:`dot_int16_int8` ``(x, w, start, n)``: the sum of x[k] w[k] for int16 x and int8 w (w sign-extended to 16
-  bits; ``vpdpwssd``), exact in each int32 lane for n <= :data:`INT16_CHUNK`, the lanes summed in float32.
+- :func:`dot_uint16_int8` ``(high, low, w, start, n)``: the exact sum of u[k] w[k] (an int64) for unsigned 16-bit
+  u = 256 high[k] + low[k], held as its two bytes, and int8 w: ``vpdpbusd`` multiplies unsigned by signed bytes, 64
+  pairs per instruction, one instruction for each byte of u. The int8 kernel's row is int16, x = u - 32768, so
+  x w = u w - 32768 sum(w), with sum(w) computed once per weight row and group. (Sign-extending w to 16 bits for
+  ``vpdpwssd`` costs an instruction per 32 weights, and it kept the kernel below the read bandwidth.) The int32
+  sums are exact for n <= :data:`DOT_CHUNK`.
 
-n must be a multiple of :data:`VECTOR` (four accumulators of 32 pairs, so that four chains of multiply-adds
-overlap). :data:`FAST_DOTS` names the weight dtypes this host has an instruction for (none on a host without them,
-or with ``GRIFFIN_MATVEC=generic``): the kernels that call these are only compiled where they run.
+n must be a multiple of :data:`VECTOR` (several accumulators, so that their chains of multiply-adds overlap).
+:data:`FAST_DOTS` names the weight dtypes this host has an instruction for (none on a host without them, or with
+``GRIFFIN_MATVEC=generic``): the kernels that call these are only compiled where they run.
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-UNROLL = 4  # accumulators
-VECTOR = 32 * UNROLL  # inputs per loop iteration
-# An int32 lane adds two products of |int16| <= 32767 and |int8| <= 127 per instruction, one instruction per VECTOR
-# inputs: over 16384 inputs (128 instructions, 256 products) it stays below 2^30.
-INT16_CHUNK = 16384
+UNROLL = 4  # accumulators of dot_bf16
+VECTOR = 32 * UNROLL  # inputs per loop iteration (dot_uint16_int8: two accumulators per byte of u, 64 inputs each)
+# dot_uint16_int8 adds its int32 lanes in int32: at most 255 * 128 per product, so exact up to 2^31 / 32640 inputs.
+DOT_CHUNK = 1 << 16
 
 
 def host_dots() -> frozenset[str]:
@@ -67,8 +70,7 @@ class _BFloat(ir.Type):
 
 _F32X16 = ir.VectorType(ir.FloatType(), 16)
 _I32X16 = ir.VectorType(ir.IntType(32), 16)
-_I16X32 = ir.VectorType(ir.IntType(16), 32)
-_I8X32 = ir.VectorType(ir.IntType(8), 32)
+_I8X64 = ir.VectorType(ir.IntType(8), 64)
 _BF16X32 = ir.VectorType(_BFloat(), 32)
 
 
@@ -80,37 +82,10 @@ def _check(x, w, start, n, x_dtype, w_dtype, name):  # type: ignore[no-untyped-d
         raise TypingError(f"{name}: start and n are integers, got {start} and {n}")
 
 
-def _dot_loop(context, builder, sig, args, instruction, acc_type, operand_type, x_load,  # type: ignore[no-untyped-def]
-              w_load):
-    """IR of UNROLL accumulators of ``acc_type`` fed by ``instruction(acc, x_load(x + k), w_load(w + k))`` (both
-    ``operand_type``) for k in [start, start + n) in steps of VECTOR; returns the float32 sum of all their lanes."""
-    x = context.make_array(sig.args[0])(context, builder, args[0])
-    w = context.make_array(sig.args[1])(context, builder, args[1])
-    start, n = (context.cast(builder, a, t, types.intp) for a, t in zip(args[2:], sig.args[2:], strict=True))
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(acc_type, [acc_type, operand_type, operand_type]), instruction)
-    accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_type, None)) for _ in range(UNROLL)]
-    with cgutils.for_range_slice(builder, start, builder.add(start, n), ir.Constant(start.type, VECTOR)) as (i, _):
-        for u in range(UNROLL):
-            k = builder.add(i, ir.Constant(i.type, 32 * u))
-            xv, wv = x_load(builder, builder.gep(x.data, [k])), w_load(builder, builder.gep(w.data, [k]))
-            builder.store(builder.call(fn, [builder.load(accs[u]), xv, wv]), accs[u])
-    # int32 lanes become float32 before they are added up (their sum could overflow)
-    vectors = [builder.load(acc) for acc in accs]
-    vectors = [v if acc_type == _F32X16 else builder.sitofp(v, _F32X16) for v in vectors]
-    total = vectors[0]
-    for v in vectors[1:]:
-        total = builder.fadd(total, v)
-    reduce = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType(), _F32X16]), "llvm.vector.reduce.fadd.v16f32")
-    return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), total])
-
-
-def _load(vector_type, align, widen_to=None, as_type=None):  # type: ignore[no-untyped-def]
-    """A loader of one ``vector_type`` at a pointer, sign-extended to ``widen_to`` and bit-cast to ``as_type``."""
+def _load(vector_type, align, as_type=None):  # type: ignore[no-untyped-def]
+    """A loader of one ``vector_type`` at a pointer, bit-cast to ``as_type``."""
     def load(builder, ptr):  # type: ignore[no-untyped-def]
         v = builder.load(builder.bitcast(ptr, vector_type.as_pointer()), align=align)
-        v = builder.sext(v, widen_to) if widen_to is not None else v
         return builder.bitcast(v, as_type) if as_type is not None else v
 
     return load
@@ -122,21 +97,60 @@ def dot_bf16(typingctx, x, w, start, n):  # type: ignore[no-untyped-def]
     _check(x, w, start, n, types.uint16, types.uint16, "dot_bf16")
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        x, w = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2], strict=True))
+        start, n = (context.cast(builder, a, t, types.intp) for a, t in zip(args[2:], sig.args[2:], strict=True))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")
         load = _load(_BF16X32, 2)
-        return _dot_loop(context, builder, sig, args, "llvm.x86.avx512bf16.dpbf16ps.512", _F32X16, _BF16X32, load,
-                         load)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_F32X16, None)) for _ in range(UNROLL)]
+        with cgutils.for_range_slice(builder, start, builder.add(start, n), ir.Constant(start.type, VECTOR)) as (i, _):
+            for u in range(UNROLL):
+                k = builder.add(i, ir.Constant(i.type, 32 * u))
+                xv, wv = load(builder, builder.gep(x.data, [k])), load(builder, builder.gep(w.data, [k]))
+                builder.store(builder.call(fn, [builder.load(accs[u]), xv, wv]), accs[u])
+        total = builder.load(accs[0])
+        for acc in accs[1:]:
+            total = builder.fadd(total, builder.load(acc))
+        reduce = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType(), _F32X16]),
+            "llvm.vector.reduce.fadd.v16f32")
+        return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), total])
 
     return types.float32(x, w, start, n), codegen
 
 
 @intrinsic
-def dot_int16_int8(typingctx, x, w, start, n):  # type: ignore[no-untyped-def]
-    """Sum of x[k] w[k] over [start, start + n), x int16 and w int8, as float32 (module docstring)."""
-    _check(x, w, start, n, types.int16, types.int8, "dot_int16_int8")
+def dot_uint16_int8(typingctx, high, low, w, start, n):  # type: ignore[no-untyped-def]
+    """Exact int64 sum of (256 high[k] + low[k]) w[k] over [start, start + n), high and low uint8, w int8 (module
+    docstring)."""
+    _check(high, w, start, n, types.uint8, types.int8, "dot_uint16_int8")
+    _check(low, w, start, n, types.uint8, types.int8, "dot_uint16_int8")
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        # The instruction's operands are declared as 16 int32 lanes, each holding two int16 numbers.
-        return _dot_loop(context, builder, sig, args, "llvm.x86.avx512.vpdpwssd.512", _I32X16, _I32X16,
-                         _load(_I16X32, 2, as_type=_I32X16), _load(_I8X32, 1, _I16X32, _I32X16))
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3], strict=True)]
+        start, n = (context.cast(builder, a, t, types.intp) for a, t in zip(args[3:], sig.args[3:], strict=True))
+        # vpdpbusd's operands are declared as 16 int32 lanes, each holding four bytes.
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X16, [_I32X16] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        load = _load(_I8X64, 1, as_type=_I32X16)
+        steps = VECTOR // 64
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_I32X16, None)) for _ in range(steps)]
+                for _ in range(2)]  # high, low
+        with cgutils.for_range_slice(builder, start, builder.add(start, n), ir.Constant(start.type, VECTOR)) as (i, _):
+            for u in range(steps):
+                k = builder.add(i, ir.Constant(i.type, 64 * u))
+                hv, lv, wv = (load(builder, builder.gep(a.data, [k])) for a in arrays)
+                for acc, xv in zip(accs, (hv, lv), strict=True):
+                    builder.store(builder.call(fn, [builder.load(acc[u]), xv, wv]), acc[u])
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [_I32X16]),
+                                                "llvm.vector.reduce.add.v16i32")
+        i64 = ir.IntType(64)
+        sums = []
+        for acc in accs:
+            total = builder.load(acc[0])
+            for a in acc[1:]:
+                total = builder.add(total, builder.load(a))
+            sums.append(builder.sext(builder.call(reduce, [total]), i64))
+        return builder.add(builder.shl(sums[0], ir.Constant(i64, 8)), sums[1])
 
-    return types.float32(x, w, start, n), codegen
+    return types.int64(high, low, w, start, n), codegen
