@@ -22,9 +22,12 @@ from griffin.flops import cpu_name
 
 # Machine -----------------------------------------------------------------------------------------------------
 def machine_info(device: torch.device) -> dict[str, Any]:
-    """CPU, cores, torch threads and version, device (and GPU name), load average: what a result was measured on."""
+    """CPU, cores, torch threads and version, device (and GPU name), load average, and the OpenMP settings that decide
+    how idle worker threads wait (griffin sets ``OMP_WAIT_POLICY=passive``; ``GOMP_SPINCOUNT`` makes them spin
+    first): what a result was measured on."""
     info: dict[str, Any] = dict(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads(),
-                                torch=torch.__version__, device=str(device), load_average=os.getloadavg())
+                                torch=torch.__version__, device=str(device), load_average=os.getloadavg(),
+                                openmp={k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

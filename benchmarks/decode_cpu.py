@@ -42,7 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as griffin sets it, but t
 
 import torch  # noqa: E402
 
-from griffin import CausalLM, ModelConfig, generate_stream
+from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
 from griffin.inference.generate import weight_bytes
 from griffin.inference.matvec import MatvecBlockDiagonal, MatvecLinear
 from griffin.quantize import quantize_int8
@@ -142,6 +142,67 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_ms"])[:top]
 
 
+def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) -> dict:
+    """Where a decode step's time goes, in ms (medians over ``steps`` steps after ``warmup``): the whole step; its
+    kernel calls (matvec and gates) timed inside it; the same calls replayed back to back on the inputs they had;
+    the step with every kernel call answered at once by the output it gave before (the step without the weights)."""
+    kinds = (MatvecLinear, MatvecBlockDiagonal)
+    forwards = {cls: cls.forward for cls in kinds}
+    tokens = prompts[:, -1].clone()
+
+    def steps_ms(decoder: Decoder, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            decoder(tokens)
+            times.append(1e3 * (time.perf_counter() - start))
+        return times
+
+    inside, calls, answers = [0.0], [], {}
+
+    def timed(self: torch.nn.Module, x: torch.Tensor) -> Any:
+        start = time.perf_counter()
+        out = forwards[type(self)](self, x)
+        inside[0] += 1e3 * (time.perf_counter() - start)
+        return out
+
+    def recorded(self: torch.nn.Module, x: torch.Tensor) -> Any:
+        calls.append((self, x.clone()))
+        answers[id(self)] = out = forwards[type(self)](self, x)
+        return out
+
+    def answered(self: torch.nn.Module, x: torch.Tensor) -> Any:
+        return answers[id(self)]
+
+    try:
+        for cls in kinds:
+            cls.forward = timed
+        _, cache = prefill(model, prompts, max_length=prompts.shape[1] + warmup + 2 * steps + 2)
+        decoder = Decoder(model, cache)
+        steps_ms(decoder, warmup)
+        inside[0] = 0.0
+        step = steps_ms(decoder, steps)
+        kernels_inside = inside[0] / steps
+        for cls in kinds:
+            cls.forward = recorded
+        decoder(tokens)
+        for cls in kinds:
+            cls.forward = answered
+        without = statistics.median(steps_ms(decoder, steps))
+    finally:
+        for cls, forward in forwards.items():
+            cls.forward = forward
+    replays = []
+    with torch.no_grad():
+        for _ in range(steps):
+            start = time.perf_counter()
+            for module, x in calls:
+                module(x)
+            replays.append(1e3 * (time.perf_counter() - start))
+    return dict(step_ms=statistics.median(step), kernels_inside_ms=kernels_inside,
+                kernels_replayed_ms=statistics.median(replays), step_without_kernels_ms=without, calls=len(calls))
+
+
 def hf_from(model: CausalLM, directory: Path) -> Any:
     """HF transformers' RecurrentGemma with ``model``'s weights (export_hf, then transformers' own loader)."""
     import transformers
@@ -172,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers' RecurrentGemma")
     p.add_argument("--profile", action="store_true",
                    help="also profile bfloat16 and int8 steps at batch 1 on the first model (torch.profiler)")
+    p.add_argument("--split", action="store_true",
+                   help="also split bfloat16 and int8 steps at batch 1 on the first model: kernel calls inside the "
+                        "step, the same calls replayed alone, the step without them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = p.parse_args(argv)
@@ -184,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: ModelConfig.from_preset(name) for name in args.models}  # unknown names fail here, named
     started = time.perf_counter()
     info = machine_info(torch.device("cpu"))
+    openmp = ", ".join(f"{k}={v}" for k, v in info["openmp"].items() if v is not None)
     print(f"{info['cpu']}, {info['cores']} cores, {args.threads} threads, torch {info['torch']}; load average "
-          f"{info['load_average'][0]:.2f}")
+          f"{info['load_average'][0]:.2f}; {openmp or 'OpenMP defaults'}")
     n = args.warmup + args.steps + 2
     hf_wanted = not args.no_hf and "bfloat16" in args.dtypes
     runs_per_model = {name: len(args.batches) * (len(args.dtypes) + (hf_wanted and name in HF_SHAPES))
@@ -194,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     bandwidths: list[dict] = []
     profiles: list[dict] = []
+    splits: list[dict] = []
 
     def time_run(loop: Callable, model_name: str, path: str, dtype: str, batch: int, wbytes: int) -> None:
         times = timed_steps(loop, args.warmup, args.steps)
@@ -226,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
                 profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
                     griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))
+            if args.split and name == args.models[0] and dtype in ("bfloat16", "int8"):
+                splits.append(dict(model=name, dtype=dtype, batch=1, **split_step(
+                    model, prompts_of[args.batches[0]][:1], args.warmup, args.steps)))
             if dtype == "bfloat16" and hf_wanted and name in HF_SHAPES:
                 with tempfile.TemporaryDirectory() as tmp:
                     hf = hf_from(model, Path(tmp))
@@ -270,8 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{prof['model']} {prof['dtype']} batch 1: operators by self CPU time per step (torch.profiler)")
         print(table(prof["ops"], [("operator", "op", ""), ("calls/step", "calls", ".1f"),
                                   ("self ms/step", "self_ms", ".2f")]))
+    if splits:
+        print("\nwhere a batch-1 step goes (ms; kernels: the matvec and gates calls)")
+        print(table(splits, [("model", "model", ""), ("weights", "dtype", ""), ("step", "step_ms", ".1f"),
+                             ("kernels inside the step", "kernels_inside_ms", ".1f"),
+                             ("the same calls replayed", "kernels_replayed_ms", ".1f"),
+                             ("step without the kernels", "step_without_kernels_ms", ".1f"),
+                             ("kernel calls", "calls", "d")]))
     write_json(args.out, dict(args=vars(args), machine=info, load_average_end=machine_info(torch.device("cpu"))[
-        "load_average"], wall_s=wall, read_bandwidth=bandwidths, rows=rows, goals=goals, profiles=profiles))
+        "load_average"], wall_s=wall, read_bandwidth=bandwidths, rows=rows, goals=goals, profiles=profiles,
+        splits=splits))
     return 0
 
 

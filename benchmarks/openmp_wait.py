@@ -1,0 +1,156 @@
+"""How OpenMP's idle threads wait, and what it costs a forward pass, a training step and decode steps on CPU.
+
+griffin sets ``OMP_WAIT_POLICY=passive`` (``griffin/__init__.py``): a worker thread with nothing to do sleeps at
+once, so that torch's and numba's workers never spin against each other or against other processes on a shared
+host. Waking a sleeping worker costs tens of microseconds per parallel region, and a decode step at batch 1 runs
+about 130 of them (a numba kernel per weight-matrix group and per RG-LRU gate). ``GOMP_SPINCOUNT=N`` makes idle
+workers spin about N pause instructions first, so that back-to-back regions find them awake.
+
+The runtime reads both variables when it loads, so each setting runs in a child process of its own. For each
+setting and each load level (``--loads``: that many busy-looping processes started beside the child, standing in
+for other tenants), the child times, on random weights:
+
+- a forward pass of ``hawk-cpu`` over 2 x 1024 tokens, one torch thread (numba's RG-LRU kernel uses both cores);
+- a training step (forward, backward, AdamW) of ``hawk-cpu`` on 16 x 256 tokens, ``--threads`` threads;
+- a decode step of ``griffin-cpu`` at batch 4, and of ``--decode-preset`` (default ``griffin-1.3b``) at batch 1 in
+  bfloat16 (the ``Decoder``'s matvec path), ``--threads`` threads.
+
+    flock /tmp/griffin-bench.lock python benchmarks/openmp_wait.py
+    python benchmarks/openmp_wait.py --spins 0 20000 --loads 0 --decode-preset griffin-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, progress, table, write_json  # noqa: E402
+
+PASSIVE = 0  # --spins value meaning griffin's default (passive, no GOMP_SPINCOUNT)
+
+
+def child(args: argparse.Namespace) -> dict:
+    """The timings of one setting, in this process (whose environment already held the setting when torch loaded)."""
+    import torch.nn.functional as F
+
+    from griffin import CausalLM, ModelConfig
+
+    def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    torch.manual_seed(0)
+    hawk = CausalLM(ModelConfig.from_preset("hawk-cpu"))
+    ids = torch.randint(0, hawk.config.vocab_size, (2, 1024))
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        forward = median_ms(lambda: hawk(ids), args.repeats)
+    torch.set_num_threads(args.threads)
+    opt = torch.optim.AdamW(hawk.parameters())
+    batch = torch.randint(0, hawk.config.vocab_size, (16, 257))
+
+    def train_step() -> None:
+        logits = hawk(batch[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    train = median_ms(train_step, args.repeats)
+    out = dict(forward_ms=forward, train_step_ms=train, env={k: os.environ.get(k) for k in ("OMP_WAIT_POLICY",
+                                                                                          "GOMP_SPINCOUNT")})
+    for name, preset, rows, dtype in (("decode_cpu_b4", "griffin-cpu", 4, torch.float32),
+                                      ("decode_b1", args.decode_preset, 1, torch.bfloat16)):
+        out[f"{name}_ms"] = decode_ms(preset, rows, dtype, 3 * args.repeats, median_ms)
+    return out
+
+
+def decode_ms(preset: str, rows: int, dtype: torch.dtype, repeats: int, median_ms) -> float:  # type: ignore[no-untyped-def]
+    """Median ms of a decode step of ``preset`` (random weights in ``dtype``) at ``rows`` rows."""
+    from griffin import CausalLM, ModelConfig
+    from griffin.inference import Decoder, prefill
+
+    model = CausalLM(ModelConfig.from_preset(preset)).eval().to(dtype)
+    logits, cache = prefill(model, [[1, 2, 3, 4]] * rows, max_length=4 + repeats + 8)
+    decoder = Decoder(model, cache)
+    tokens = logits.argmax(-1)
+    return median_ms(lambda: decoder(tokens), repeats)
+
+
+def run_setting(spin: int, load: int, args: argparse.Namespace) -> dict:
+    """One child process under ``spin`` (PASSIVE: griffin's default) beside ``load`` busy-looping processes."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env["OMP_WAIT_POLICY"] = "passive"
+    if spin != PASSIVE:
+        env["GOMP_SPINCOUNT"] = str(spin)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    try:
+        argv = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--repeats", str(args.repeats),
+                "--decode-preset", args.decode_preset]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    if done.returncode:
+        raise RuntimeError(f"the child for GOMP_SPINCOUNT={spin}, load {load} failed:\n{done.stderr[-3000:]}")
+    return dict(spin=spin, load=load, **json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spins", nargs="+", type=int, default=[PASSIVE, 20000, 100000],
+                   help="GOMP_SPINCOUNT values (0: passive, griffin's default)")
+    p.add_argument("--loads", nargs="+", type=int, default=[0, 2, 6], help="busy-looping processes beside the run")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats (decode steps: 3x as many), median kept")
+    p.add_argument("--decode-preset", default="griffin-1.3b", help="the model decoded at batch 1 in bfloat16")
+    p.add_argument("--out", default="benchmarks/results/openmp_wait.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    for v in args.spins + args.loads:
+        if v < 0:
+            raise SystemExit(f"--spins and --loads take non-negative numbers, got {v}")
+    started = time.perf_counter()
+    rows = []
+    bar = progress(len(args.spins) * len(args.loads), "settings")
+    for load in args.loads:
+        for spin in args.spins:
+            rows.append(run_setting(spin, load, args))
+            bar.update()
+    bar.close()
+    for r in rows:
+        base = next(o for o in rows if o["load"] == r["load"] and o["spin"] == args.spins[0])
+        r["setting"] = "passive" if r["spin"] == PASSIVE else f"GOMP_SPINCOUNT={r['spin']}"
+        for key in ("forward_ms", "train_step_ms", "decode_cpu_b4_ms", "decode_b1_ms"):
+            r[key.replace("_ms", "_vs_first")] = base[key] / r[key]
+    wall = time.perf_counter() - started
+    print(f"wall {wall / 60:.1f} min; speed-ups against the first setting at the same load")
+    print(table(rows, [("load", "load", "d"), ("setting", "setting", ""),
+                       ("hawk-cpu forward ms", "forward_ms", ".0f"), ("x", "forward_vs_first", ".2f"),
+                       ("hawk-cpu train step ms", "train_step_ms", ".0f"), ("x", "train_step_vs_first", ".2f"),
+                       ("griffin-cpu decode b4 ms", "decode_cpu_b4_ms", ".1f"), ("x", "decode_cpu_b4_vs_first", ".2f"),
+                       (f"{args.decode_preset} bf16 decode b1 ms", "decode_b1_ms", ".1f"),
+                       ("x", "decode_b1_vs_first", ".2f")]))
+    write_json(args.out, dict(args=vars(args), machine=machine_info(torch.device("cpu")), wall_s=wall, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
