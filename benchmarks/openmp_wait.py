@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, progress, table, write_json  # noqa: E402
+from common import machine_info, median_time, progress, table, write_json  # noqa: E402
 
 PASSIVE = 0  # --spins value meaning griffin's default (passive, no GOMP_SPINCOUNT)
 
@@ -44,21 +43,12 @@ def child(args: argparse.Namespace) -> dict:
 
     from griffin import CausalLM, ModelConfig
 
-    def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
-
     torch.manual_seed(0)
     hawk = CausalLM(ModelConfig.from_preset("hawk-cpu"))
     ids = torch.randint(0, hawk.config.vocab_size, (2, 1024))
     torch.set_num_threads(1)
     with torch.no_grad():
-        forward = median_ms(lambda: hawk(ids), args.repeats)
+        forward = 1e3 * median_time(lambda: hawk(ids), args.repeats)
     torch.set_num_threads(args.threads)
     opt = torch.optim.AdamW(hawk.parameters())
     batch = torch.randint(0, hawk.config.vocab_size, (16, 257))
@@ -69,16 +59,16 @@ def child(args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad()
 
-    train = median_ms(train_step, args.repeats)
+    train = 1e3 * median_time(train_step, args.repeats)
     out = dict(forward_ms=forward, train_step_ms=train, env={k: os.environ.get(k) for k in ("OMP_WAIT_POLICY",
                                                                                           "GOMP_SPINCOUNT")})
     for name, preset, rows, dtype in (("decode_cpu_b4", "griffin-cpu", 4, torch.float32),
                                       ("decode_b1", args.decode_preset, 1, torch.bfloat16)):
-        out[f"{name}_ms"] = decode_ms(preset, rows, dtype, 3 * args.repeats, median_ms)
+        out[f"{name}_ms"] = decode_ms(preset, rows, dtype, 3 * args.repeats)
     return out
 
 
-def decode_ms(preset: str, rows: int, dtype: torch.dtype, repeats: int, median_ms) -> float:  # type: ignore[no-untyped-def]
+def decode_ms(preset: str, rows: int, dtype: torch.dtype, repeats: int) -> float:
     """Median ms of a decode step of ``preset`` (random weights in ``dtype``) at ``rows`` rows."""
     from griffin import CausalLM, ModelConfig
     from griffin.inference import Decoder, prefill
@@ -87,7 +77,7 @@ def decode_ms(preset: str, rows: int, dtype: torch.dtype, repeats: int, median_m
     logits, cache = prefill(model, [[1, 2, 3, 4]] * rows, max_length=4 + repeats + 8)
     decoder = Decoder(model, cache)
     tokens = logits.argmax(-1)
-    return median_ms(lambda: decoder(tokens), repeats)
+    return 1e3 * median_time(lambda: decoder(tokens), repeats)
 
 
 def run_setting(spin: int, load: int, args: argparse.Namespace) -> dict:
