@@ -44,7 +44,6 @@ TILE = 16  # output rows per task
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
-ROWS_L1_BYTES = 16384  # bytes of input rows the int8 kernel keeps in the L1 cache beside the weight rows
 
 
 @intrinsic
@@ -230,39 +229,32 @@ def _one_row_bf16_kernel(x, weights, tiles, bias, out):  # type: ignore[no-untyp
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, out):  # type: ignore[no-untyped-def]
-    """out = steps (x W^T, each group times its scale) + bias for rows x (B, K) of int16 steps of ``steps`` (B,)
+def _one_row_int8_kernel(high, low, step, weights, tiles, sums, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = step (x W^T, each group times its scale) + bias for one row x (K,) of int16 steps of ``step``
     (:func:`griffin.ops.matvec.reference.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
-    ``low``, (B, K) uint8), and int8 weights (tiles as in :func:`_matvec_kernel`; out (B, N)) with float32 ``scale``
-    (N, G) and ``sums`` (N, G), the sums of each group's first group - group mod VECTOR weights
-    (:func:`vector_sums`). Over those, x w = u w - 32768 sum(w) through ``vpdpbusd``
-    (:func:`griffin.ops.matvec.isa.dot_uint16_int8`); the rest of the group one product at a time. Each group's sum
-    is exact (int64) until it is scaled. A tile's weight rows are read from memory once, against as many input rows
-    as :data:`ROWS_L1_BYTES` holds, then again from the L2 cache for each further block of rows (more rows at once
-    would not stay in the L1 cache beside the weights)."""
-    B, K = high.shape
+    ``low``), and int8 weights (tiles as in :func:`_matvec_kernel`) with float32 ``scale`` (N, G) and ``sums``
+    (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`). Over those,
+    x w = u w - 32768 sum(w) through ``vpdpbusd`` (:func:`griffin.ops.matvec.isa.dot_uint16_int8`); the rest of the
+    group one product at a time. Each group's sum is exact (int64) until it is scaled."""
+    K = high.shape[0]
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
-    block = max(1, min(B, ROWS_L1_BYTES // (2 * K)))  # input rows whose bytes fit the L1 budget
     for t in prange(tiles.shape[0]):
         j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
         w = weights[j]
-        for b0 in range(0, B, block):
-            for i in range(rows):
-                row, c = w[r0 + i], c0 + i
-                for b in range(b0, min(B, b0 + block)):
-                    hb, lb = high[b], low[b]
-                    total = np.float32(0.0)
-                    for g in range(G):
-                        k0 = g * group
-                        acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
-                        for d in range(0, gv, DOT_CHUNK):
-                            acc += dot_uint16_int8(hb, lb, row, k0 + d, min(DOT_CHUNK, gv - d))
-                        for k in range(k0 + gv, k0 + group):
-                            acc += (np.int64(hb[k]) * 256 + np.int64(lb[k]) - OFFSET) * np.int64(row[k])
-                        total += np.float32(acc) * scale[c, g]
-                    out[b, c] = total * steps[b] + bias[c]
+        for i in range(rows):
+            row, c = w[r0 + i], c0 + i
+            total = np.float32(0.0)
+            for g in range(G):
+                k0 = g * group
+                acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
+                for d in range(0, gv, DOT_CHUNK):
+                    acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d))
+                for k in range(k0 + gv, k0 + group):
+                    acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(row[k])
+                total += np.float32(acc) * scale[c, g]
+            out[c] = total * step + bias[c]
 
 
 @numba.njit(fastmath=False, cache=True)
@@ -283,20 +275,9 @@ def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
     return step
 
 
-@numba.njit(cache=True)
-def _quantize_rows_int16(x, high, low, steps):  # type: ignore[no-untyped-def]
-    """:func:`_quantize_row_int16` of each row of x (B, K) into high, low (B, K) and steps (B,); False if a row has
-    an infinite or NaN entry."""
-    for b in range(x.shape[0]):
-        steps[b] = _quantize_row_int16(x[b], high[b], low[b])
-        if steps[b] == 0:
-            return False
-    return True
-
-
 def vector_sums(weight: Tensor, groups: int) -> Tensor:
     """(N, groups) int32: for an int8 (N, K) matrix, the sum of each group's first group - group mod VECTOR weights
-    (what :func:`_int8_kernel` multiplies through ``vpdpbusd``)."""
+    (what :func:`_one_row_int8_kernel` multiplies through ``vpdpbusd``)."""
     n, k = weight.shape
     group = k // groups
     return weight.detach().reshape(n, groups, group)[..., : group - group % VECTOR].sum(-1, dtype=torch.int32)
@@ -414,39 +395,40 @@ class MatvecWeights:
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
     """x (..., K) times the prepared matrices (transposed), plus biases, concatenated: (..., N) in ``out_dtype``
-    (default x's). One parallel region over all the matrices: through the host's multiply-accumulate instructions
-    (:data:`griffin.ops.matvec.isa.FAST_DOTS`) for int8 weights and finite x (each row rounded to int16 steps,
-    :func:`griffin.ops.matvec.reference.quantize_row_int16`), and for one bfloat16 row and bfloat16 weights; else
-    widened to float32 (one row: :func:`_one_row_kernel`; several: :func:`_matvec_kernel`)."""
+    (default x's)."""
     if x.shape[-1] != prepared.in_features:
         raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape[0], prepared.out_features, dtype=torch.float32)
-    if flat.shape[0]:
-        _matvec_rows(flat, prepared, out.numpy())
+    if flat.shape[0] == 1:
+        _one_row(flat[0], prepared, out.numpy()[0])
+    elif flat.shape[0]:
+        rows = flat.to(torch.float32).contiguous().numpy()
+        _matvec_kernel(rows, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
     out = out.reshape(*x.shape[:-1], prepared.out_features)
     return out.to(out_dtype or x.dtype)
 
 
-def _matvec_rows(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
-    """out (B, N) = x (B, K) contiguous times the prepared matrices, by the path :func:`matvec_cpu` describes."""
+def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
+    """out (N,) = x (K,) times the prepared matrices, one parallel region over all of them: through the host's
+    multiply-accumulate instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`) for bfloat16 x and weights, and for
+    int8 weights and a finite x (rounded to int16 steps, :func:`griffin.ops.matvec.reference.quantize_row_int16`);
+    else widened to float32 (:func:`_one_row_kernel`)."""
     dtype = prepared.arrays[0].dtype
+    x = x.contiguous()
     bits = (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()  # what widen() reads
-    if dtype == np.uint16 and x.dtype == torch.bfloat16 and x.shape[0] == 1 and "bfloat16" in FAST_DOTS:
-        _one_row_bf16_kernel(bits[0], prepared.arrays, prepared.tiles, prepared.bias, out[0])
+    if dtype == np.uint16 and x.dtype == torch.bfloat16 and "bfloat16" in FAST_DOTS:
+        _one_row_bf16_kernel(bits, prepared.arrays, prepared.tiles, prepared.bias, out)
         return
     if dtype == np.int8 and "int8" in FAST_DOTS:
-        high, low = np.empty(bits.shape, np.uint8), np.empty(bits.shape, np.uint8)
-        steps = np.empty(bits.shape[0], np.float32)
-        if _quantize_rows_int16(bits, high, low, steps):  # else an inf or NaN entry, which int16 steps cannot hold
-            _int8_kernel(high, low, steps, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale,
-                         prepared.bias, out)
+        high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
+        step = _quantize_row_int16(bits, high, low)
+        if step:  # else an inf or NaN entry, which int16 steps cannot hold
+            _one_row_int8_kernel(high, low, step, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale,
+                                 prepared.bias, out)
             return
     xf = bits if bits.dtype == np.float32 else x.to(torch.float32).numpy()
-    if x.shape[0] == 1:
-        _one_row_kernel(xf[0], prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out[0])
-    else:
-        _matvec_kernel(xf, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out)
+    _one_row_kernel(xf, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out)
 
 
 # An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the
