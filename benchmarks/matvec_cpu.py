@@ -1,6 +1,7 @@
-"""One input row times a weight matrix on CPU (Section 5.1): the matvec kernel's read rate against the machine's.
+"""Input rows times a weight matrix on CPU (Section 5.1): the matvec kernel's read rate against the machine's.
 
-A decode step at batch 1 is a sequence of ``x W^T`` for one row x, each bound by reading W. For the weight shapes
+A decode step at batch 1 is a sequence of ``x W^T`` for one row x, each bound by reading W (``--batch``: that many
+rows, as a decode step of several sequences). For the weight shapes
 of a 1.3B Griffin (``griffin-1.3b``: the MLP's 2048 -> 6144 and 6144 -> 2048, the recurrent branch's 2048 -> 2560, the
 output layer's 2048 -> 32000) and each weight dtype, this script times, side by side in rounds:
 
@@ -52,10 +53,12 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generator) -> dict[str, Callable]:
-    """name -> a function reading the next copy of a (rows, cols) matrix of ``dtype`` once per call."""
+def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generator,
+               batch: int = 1) -> dict[str, Callable]:
+    """name -> a function reading the next copy of a (rows, cols) matrix of ``dtype`` once per call, against
+    ``batch`` input rows."""
     base = torch.randn(rows, cols, generator=gen) / cols**0.5
-    x = torch.randn(1, cols, generator=gen).bfloat16()
+    x = torch.randn(batch, cols, generator=gen).bfloat16()
     if dtype == "int8":
         q, scale = quantize_int8(base)
         weights = [q.clone() for _ in range(copies)]
@@ -97,18 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "int8", "float32"],
                    choices=["bfloat16", "int8", "float32"])
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--batch", type=int, default=1, help="input rows per call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/matvec_cpu.json")
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(args.seed)
     start, rows = time.perf_counter(), []
-    print(f"{machine_info(torch.device('cpu'))}; fast one-row instructions for: "
+    if args.batch < 1:
+        raise SystemExit(f"--batch={args.batch} must be a positive number of rows")
+    print(f"{machine_info(torch.device('cpu'))}; {args.batch} input row(s); multiply-accumulate instructions for: "
           f"{sorted(matvec_module.FAST_DOTS) or 'none'}")
     bar = progress(len(SHAPES) * len(args.dtypes), "matrices")
     for dtype in args.dtypes:
         for shape_name, (n, k) in SHAPES.items():
             nbytes = n * k * {"bfloat16": 2, "int8": 1, "float32": 4}[dtype]
-            fns = candidates(n, k, dtype, max(2, -(-2 * L3_BYTES // nbytes)), gen)
+            fns = candidates(n, k, dtype, max(2, -(-2 * L3_BYTES // nbytes)), gen, args.batch)
             for fn in fns.values():  # compile, page in
                 fn()
                 fn()
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("us/call", "us", ".0f"), ("GB/s", "gbps", ".1f"), ("sum GB/s", "sum_gbps", ".1f"),
                        ("of sum", "of_sum", ".0%")]))
     write_json(args.out, dict(command="python " + " ".join(sys.argv), machine=machine_info(torch.device("cpu")),
-                              fast_dots=sorted(matvec_module.FAST_DOTS), rounds=args.rounds,
+                              fast_dots=sorted(matvec_module.FAST_DOTS), rounds=args.rounds, batch=args.batch,
                               wall_s=time.perf_counter() - start, rows=rows))
     return 0
 
