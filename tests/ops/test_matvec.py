@@ -73,12 +73,13 @@ WIDE = 2 * VECTOR + 16  # inputs: two vectors of the fast loop, then a tail
 @pytest.mark.parametrize("rows", [1, 16, 37])
 def test_bf16_instruction_path_equals_reference(gen, rows):
     """One bfloat16 row against bfloat16 weights through ``vdpbf16ps`` (exact products, float32 sums): the float32
-    reference up to the order of the additions."""
-    w = (torch.randn(rows, WIDE, generator=gen) / WIDE**0.5).bfloat16()
-    b = torch.randn(rows, generator=gen)
+    reference up to the order of the additions. Three matrices in one call (one parallel region over the tiles of
+    all of them), so that each output lands in its own matrix's columns."""
+    ws = [(torch.randn(n, WIDE, generator=gen) / WIDE**0.5).bfloat16() for n in (rows, 5, 21)]
+    bs = [torch.randn(w.shape[0], generator=gen) for w in ws]
     x = torch.randn(1, WIDE, generator=gen).bfloat16()
-    got = matvec_cpu(x, MatvecWeights.prepare([w], None, [b]), torch.float32)
-    ref = matvec_ref(x.float(), [w.float()], None, [b])
+    got = matvec_cpu(x, MatvecWeights.prepare(ws, None, bs), torch.float32)
+    ref = matvec_ref(x.float(), [w.float() for w in ws], None, bs)
     assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
 
 
@@ -87,17 +88,18 @@ def test_bf16_instruction_path_equals_reference(gen, rows):
 def test_int8_instruction_path_is_within_the_rounding_of_x(gen, group_size):
     """int8 weights times one row rounded to int16 steps (``vpdpbusd``, exact integer sums; groups of 136 mix the
     vector loop and the tail, groups of 8 and 16 are all tail): equal to the reference of the rounded row up to
-    float32 rounding, and within step / 2 * sum |W| of the reference of the row as given."""
+    float32 rounding, and within step / 2 * sum |W| of the reference of the row as given. Three matrices in one call,
+    so that each output row takes its own matrix's weight sums, scales and bias."""
     K = 2 * 136
-    w = torch.randn(37, K, generator=gen) / K**0.5
-    q, scale = quantize_int8(w, group_size)
-    b = torch.randn(37, generator=gen)
+    pairs = [quantize_int8(torch.randn(n, K, generator=gen) / K**0.5, group_size) for n in (37, 5, 21)]
+    qs, scales = [q for q, _ in pairs], [s for _, s in pairs]
+    bs = [torch.randn(q.shape[0], generator=gen) for q in qs]
     x = torch.randn(1, K, generator=gen) * torch.rand(1, K, generator=gen) ** 3  # entries far below the largest
-    got = matvec_cpu(x, MatvecWeights.prepare([q], [scale], [b]))
+    got = matvec_cpu(x, MatvecWeights.prepare(qs, scales, bs))
     xq, step = quantize_row_int16(x[0])
-    assert (got - matvec_ref((xq.float() * step)[None], [q], [scale], [b])).abs().max() <= 2e-6 * (1 + got.abs().max())
-    bound = step / 2 * dequantize_int8(q, scale).abs().sum(1)
-    assert ((got - matvec_ref(x, [q], [scale], [b]))[0].abs() <= bound + 2e-6).all()
+    assert (got - matvec_ref((xq.float() * step)[None], qs, scales, bs)).abs().max() <= 2e-6 * (1 + got.abs().max())
+    bound = step / 2 * torch.cat([dequantize_int8(q, s).abs().sum(1) for q, s in pairs])
+    assert ((got - matvec_ref(x, qs, scales, bs))[0].abs() <= bound + 2e-6).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
