@@ -41,8 +41,8 @@ def _log_a(gate_a: Tensor, a_param: Tensor) -> Tensor:
 
 def _accelerated_scan(scan: Callable[[Tensor, Tensor], Tensor]) -> ScanFn:
     def fn(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> tuple[Tensor, Tensor]:
-        a, b = rg_lru_gates(x, gate_x, gate_a, a_param, C, None)  # (B, T, D); the scan runs over the last axis
-        h = scan(a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()).transpose(1, 2)
+        a, b = (t.to(x.dtype) for t in rg_lru_gates(x, gate_x, gate_a, a_param, C, None))  # the peer's dtype is x's
+        h = scan(a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()).transpose(1, 2)  # over the last axis
         return h, h[:, -1].float()
 
     return fn
@@ -50,8 +50,8 @@ def _accelerated_scan(scan: Callable[[Tensor, Tensor], Tensor]) -> ScanFn:
 
 def _fla(scan: Callable[..., tuple[Tensor, Tensor | None]]) -> ScanFn:
     def fn(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> tuple[Tensor, Tensor]:
-        _, b = rg_lru_gates(x, gate_x, gate_a, a_param, C, None)
-        h, _ = scan(b, _log_a(gate_a, a_param).to(b.dtype))
+        b = rg_lru_gates(x, gate_x, gate_a, a_param, C, None)[1].to(x.dtype)
+        h, _ = scan(b, _log_a(gate_a, a_param).to(x.dtype))
         return h, h[:, -1].float()
 
     return fn

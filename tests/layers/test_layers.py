@@ -316,6 +316,10 @@ def test_block_diagonal_linear_any_leading_shape(gen, dtype):
 @pytest.mark.parametrize("lru_type", [RGLRU, CGLRU])
 @torch.no_grad()
 def test_lru_state_carries_over(gen, dtype, lru_type):
+    """One token at a time through the state equals the whole sequence: in bfloat16 to about one rounding of the
+    output (the single-token path computes a_t in float32 like the fused kernels; rounded to bfloat16, a_t near 1
+    made 5% of random cases differ by up to 6%)."""
+    seed_torch(gen)
     lru = lru_type(12, 3).to(dtype)
     lru.a_gate.b.copy_(rand(gen, 3, lru.a_gate.b.shape[1]))
     x = rand(gen, 4, 11, 12).to(dtype)
@@ -326,7 +330,7 @@ def test_lru_state_carries_over(gen, dtype, lru_type):
     for a, b in PIECES:
         y, h = lru(x[:, a:b], start[:, a:b] if a == 0 else None, h)
         outs.append(y)
-    tol = tolerance(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(torch.cat(outs, 1), whole, atol=tol, rtol=tol)
     torch.testing.assert_close(h, h_whole, atol=tol, rtol=tol)
 

@@ -68,7 +68,8 @@ def rg_lru(
         return rg_lru_ref(x, gate_x, gate_a, a_param, c, h0, reset)
     if backend == "torch":
         a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
-        return linear_scan(a, b, h0, reset)
+        y, h_last = linear_scan(a, b, h0, reset)
+        return y.to(x.dtype), h_last
     raise ValueError(f"rg_lru: unknown backend {backend!r}; choose one of {BACKENDS}")
 
 

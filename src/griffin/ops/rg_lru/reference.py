@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from griffin.ops.scan.reference import linear_scan_ref
+from griffin.ops.scan.reference import accumulation_dtype, linear_scan_ref
 
 MAX_SQRT_GRADIENT = 1000.0
 
@@ -33,14 +33,17 @@ def sqrt_bound_derivative(x: Tensor) -> Tensor:
 def rg_lru_gates(
     x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: float, reset: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """The scan coefficients (a_t, b_t) of the RG-LRU, in x's dtype."""
-    log_a = -c * torch.sigmoid(gate_a) * F.softplus(a_param)
+    """The scan coefficients (a_t, b_t) of the RG-LRU, in the accumulation dtype (at least float32, like the fused
+    kernels): a_t near 1 rounded to bfloat16 (steps of 2^-8) would change the decay it encodes, and a decode step
+    (one token, this path) would drift from the forward over the same tokens."""
+    acc = accumulation_dtype(x.dtype)
+    log_a = -c * torch.sigmoid(gate_a.to(acc)) * F.softplus(a_param.to(acc))
     a = torch.exp(log_a)
     multiplier = sqrt_bound_derivative(1.0 - torch.exp(2.0 * log_a))
     if reset is not None:
         multiplier = torch.where(reset[..., None], torch.ones_like(multiplier), multiplier)
-    b = x * torch.sigmoid(gate_x) * multiplier.to(x.dtype)
-    return a.to(x.dtype), b
+    b = x.to(acc) * torch.sigmoid(gate_x.to(acc)) * multiplier
+    return a, b
 
 
 def check_rg_lru_inputs(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor) -> None:
@@ -65,4 +68,5 @@ def rg_lru_ref(
     """Reference RG-LRU: PyTorch gate math and the reference Python-loop scan. Returns (y, h_last)."""
     check_rg_lru_inputs(x, gate_x, gate_a, a_param)
     a, b = rg_lru_gates(x, gate_x, gate_a, a_param, c, reset)
-    return linear_scan_ref(a, b, h0, reset)
+    y, h_last = linear_scan_ref(a, b, h0, reset)
+    return y.to(x.dtype), h_last
