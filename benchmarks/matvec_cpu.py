@@ -13,6 +13,11 @@ output layer's 2048 -> 32000) and each weight dtype, this script times, side by 
   CPU), bfloat16 activations, per-channel scales;
 - ``sum``: a warm ``torch.sum`` over as many bytes of float32 ones, the read rate the kernel can at best reach.
 
+On a host with the instructions it also measures their own rate, one thread on operands in the L1 cache (the block
+of :func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`, and :func:`~griffin.ops.matvec.isa.dot_bf16`), and from it
+the most weights per second the cores can multiply against ``--batch`` rows when nothing waits for memory: int8 needs
+2 x batch ``vpdpbusd`` per 64 weights (one per byte of each row's int16 steps), bfloat16 batch ``vdpbf16ps`` per 32.
+
 Each matrix is held in several copies (together beyond the 32 MiB L3), used in turn, so that every call reads its
 weights from memory. Reported: the median over ``--rounds`` rounds of GB of weights read per second, and the ratio
 to ``sum`` measured in the same round.
@@ -32,11 +37,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as griffin sets it, but torch is imported first here
 
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from griffin.ops.matvec import cpu as matvec_module  # noqa: E402
-from griffin.ops.matvec import quantize_int8  # noqa: E402
+from griffin.ops.matvec import isa, quantize_int8  # noqa: E402
 from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,6 +52,49 @@ from common import machine_info, progress, table, write_json  # noqa: E402
 SHAPES = {"mlp up 2048->6144": (6144, 2048), "mlp down 6144->2048": (2048, 6144),
           "recurrent 2048->2560": (2560, 2048), "output 2048->32000": (32000, 2048)}
 L3_BYTES = 32 << 20
+
+
+@numba.njit(cache=True)
+def _int8_block_loop(high, low, w, reps):  # type: ignore[no-untyped-def]
+    total = 0
+    for r in range(reps):
+        start = (r % 4) * 64  # moves, so that no call repeats the one before
+        block = isa.dot_rows_uint16_int8(high, low, 0, w, 0, w.shape[0] - 1, start, high.shape[1] - 256)
+        for q in range(len(block)):
+            total += block[q]
+    return total
+
+
+@numba.njit(cache=True)
+def _bf16_loop(x, w, reps):  # type: ignore[no-untyped-def]
+    total = 0.0
+    for r in range(reps):
+        total += isa.dot_bf16(x, w, (r % 4) * 128, x.shape[0] - 512)
+    return total
+
+
+def instruction_rates(seconds: float = 1.0) -> dict[str, float]:
+    """G instructions/s of one thread on L1-resident operands: ``vpdpbusd`` in the several-row block, ``vdpbf16ps``
+    in the one-row dot (only those the host has)."""
+    rates, k = {}, 2048 + 512
+    if "int8" in matvec_module.FAST_DOTS:
+        rows, weight_rows = isa.ROWS, isa.WEIGHT_ROWS
+        high, low = (np.random.randint(0, 256, (rows, k)).astype(np.uint8) for _ in range(2))
+        w = np.random.randint(-128, 128, (weight_rows, k)).astype(np.int8)
+        per_call = (k - 256) // 64 * 2 * rows * weight_rows
+        rates["vpdpbusd"] = _rate(lambda n: _int8_block_loop(high, low, w, n), per_call, seconds)
+    if "bfloat16" in matvec_module.FAST_DOTS:
+        x, w16 = (np.random.randint(0, 1 << 14, k).astype(np.uint16) for _ in range(2))
+        rates["vdpbf16ps"] = _rate(lambda n: _bf16_loop(x, w16, n), (k - 512) // 32, seconds)
+    return rates
+
+
+def _rate(loop: Callable[[int], object], per_call: int, seconds: float) -> float:
+    loop(10)  # compile
+    reps = 1000
+    while timed(lambda: loop(reps)) < seconds / 4:  # noqa: B023 (called at once)
+        reps *= 4
+    return statistics.median(reps * per_call / timed(lambda: loop(reps)) for _ in range(3)) / 1e9  # noqa: B023
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -110,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--batch={args.batch} must be a positive number of rows")
     print(f"{machine_info(torch.device('cpu'))}; {args.batch} input row(s); multiply-accumulate instructions for: "
           f"{sorted(matvec_module.FAST_DOTS) or 'none'}")
+    instructions = instruction_rates()
+    threads = torch.get_num_threads()
+    ceilings = {}  # G weights/s against --batch rows, all threads, operands in the L1 cache
+    if "vpdpbusd" in instructions:
+        ceilings["int8"] = threads * instructions["vpdpbusd"] * 64 / (2 * args.batch)
+    if "vdpbf16ps" in instructions:
+        ceilings["bfloat16"] = threads * instructions["vdpbf16ps"] * 32 / args.batch
+    for name, rate in instructions.items():
+        print(f"{name}: {rate:.2f} G instructions/s on one thread (operands in L1)")
+    for dtype, ceiling in ceilings.items():
+        print(f"{dtype} at {args.batch} row(s), {threads} threads: at most {ceiling:.1f} G weights/s "
+              f"({ceiling * (2 if dtype == 'bfloat16' else 1):.1f} GB/s) from the instruction rate")
     bar = progress(len(SHAPES) * len(args.dtypes), "matrices")
     for dtype in args.dtypes:
         for shape_name, (n, k) in SHAPES.items():
@@ -136,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("of sum", "of_sum", ".0%")]))
     write_json(args.out, dict(command="python " + " ".join(sys.argv), machine=machine_info(torch.device("cpu")),
                               fast_dots=sorted(matvec_module.FAST_DOTS), rounds=args.rounds, batch=args.batch,
+                              instruction_rates_g_per_s=instructions, ceilings_g_weights_per_s=ceilings,
                               wall_s=time.perf_counter() - start, rows=rows))
     return 0
 

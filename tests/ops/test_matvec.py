@@ -27,11 +27,10 @@ def matrices(gen, dtype, group_size, bias=True):
 
 
 def as_multiplied(x, weights):
-    """x as the kernel multiplies it: one row with int8 weights on a host with the int16 x int8 instruction is
-    rounded to int16 steps (:func:`quantize_row_int16`); otherwise as it is."""
-    if x.shape[0] == 1 and weights[0].dtype == torch.int8 and "int8" in matvec_module.FAST_DOTS:
-        xq, step = quantize_row_int16(x[0])
-        return (xq.float() * step)[None]
+    """x as the kernel multiplies it: with int8 weights on a host with the unsigned x signed byte instruction, each
+    row rounded to its own int16 steps (:func:`quantize_row_int16`); otherwise as it is."""
+    if weights[0].dtype == torch.int8 and "int8" in matvec_module.FAST_DOTS:
+        return torch.stack([xq.float() * step for xq, step in map(quantize_row_int16, x)])
     return x
 
 
@@ -85,21 +84,26 @@ def test_bf16_instruction_path_equals_reference(gen, rows):
 
 @host_has("int8")
 @pytest.mark.parametrize("group_size", [0, 8, 16, 136])
-def test_int8_instruction_path_is_within_the_rounding_of_x(gen, group_size):
-    """int8 weights times one row rounded to int16 steps (``vpdpbusd``, exact integer sums; groups of 136 mix the
-    vector loop and the tail, groups of 8 and 16 are all tail): equal to the reference of the rounded row up to
-    float32 rounding, and within step / 2 * sum |W| of the reference of the row as given. Three matrices in one call,
-    so that each output row takes its own matrix's weight sums, scales and bias."""
+@pytest.mark.parametrize("batch", [1, 2, 3, 8])
+def test_int8_instruction_path_is_within_the_rounding_of_x(gen, group_size, batch):
+    """int8 weights times rows rounded to int16 steps, each its own (``vpdpbusd``, exact integer sums; groups of 136
+    mix the vector loop and the tail, groups of 8 and 16 are all tail): equal to the reference of the rounded rows up
+    to float32 rounding, and within step / 2 * sum |W| of the reference of the rows as given. Three matrices in one
+    call (37, 5 and 22 rows: tiles that end inside a block of weight rows), so that each output row takes its own
+    matrix's weight sums, scales and bias; 3 input rows end inside a block of input rows."""
     K = 2 * 136
-    pairs = [quantize_int8(torch.randn(n, K, generator=gen) / K**0.5, group_size) for n in (37, 5, 21)]
+    pairs = [quantize_int8(torch.randn(n, K, generator=gen) / K**0.5, group_size) for n in (37, 5, 22)]
     qs, scales = [q for q, _ in pairs], [s for _, s in pairs]
     bs = [torch.randn(q.shape[0], generator=gen) for q in qs]
-    x = torch.randn(1, K, generator=gen) * torch.rand(1, K, generator=gen) ** 3  # entries far below the largest
+    x = torch.randn(batch, K, generator=gen) * torch.rand(batch, K, generator=gen) ** 3  # entries far below the max
+    x[-1] *= 1000  # rows of very different sizes: each has its own step
     got = matvec_cpu(x, MatvecWeights.prepare(qs, scales, bs))
-    xq, step = quantize_row_int16(x[0])
-    assert (got - matvec_ref((xq.float() * step)[None], qs, scales, bs)).abs().max() <= 2e-6 * (1 + got.abs().max())
-    bound = step / 2 * torch.cat([dequantize_int8(q, s).abs().sum(1) for q, s in pairs])
-    assert ((got - matvec_ref(x, qs, scales, bs))[0].abs() <= bound + 2e-6).all()
+    rounded = [quantize_row_int16(row) for row in x]
+    ref = matvec_ref(torch.stack([xq.float() * step for xq, step in rounded]), qs, scales, bs)
+    assert ((got - ref).abs() <= 2e-6 * (1 + ref.abs().amax(1, keepdim=True))).all()
+    sums = torch.cat([dequantize_int8(q, s).abs().sum(1) for q, s in pairs])
+    bound = torch.stack([step / 2 * sums for _, step in rounded])
+    assert ((got - matvec_ref(x, qs, scales, bs)).abs() <= bound + 2e-6 * (1 + ref.abs())).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,24 +130,27 @@ def test_kernel_rounds_x_to_int16_steps_as_the_reference(gen, dtype):
 
 @host_has("int8")
 @pytest.mark.parametrize("value", [3.0, -3.0])
-def test_int8_instruction_path_does_not_overflow(gen, value):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_int8_instruction_path_does_not_overflow(gen, value, batch):
     """The extreme int16 and int8 values (x = +-32767 steps, w = +-127 and -128) over more inputs than one sum of
     vpdpbusd's int32 lanes holds exactly (chunks of DOT_CHUNK): the exact products, summed in int64."""
     K = 2 * DOT_CHUNK + VECTOR + 8
     q = torch.full((3, K), 127, dtype=torch.int8)
     q[1], q[2] = -127, -128
-    x = torch.full((1, K), value)
+    x = torch.full((batch, K), value)
+    x[1:] *= -1  # the other rows the other sign
     got = matvec_cpu(x, MatvecWeights.prepare([q], [torch.ones(3, 1)]))
-    assert torch.allclose(got, value * K * torch.tensor([[127.0, -127.0, -128.0]]), rtol=1e-6, atol=0)
+    assert torch.allclose(got, x[:, :1] * K * torch.tensor([[127.0, -127.0, -128.0]]), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_one_row_with_infinities_and_nans_as_the_reference(gen, dtype):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rows_with_infinities_and_nans_as_the_reference(gen, dtype, batch):
     """A row with inf and NaN entries: the int8 path cannot round it to int16 steps, so it takes the float32 kernel;
     the outputs are inf / NaN where the reference's are."""
     weights, scales, biases = matrices(gen, dtype, 0)
-    x = torch.randn(1, K, generator=gen).bfloat16()
-    x[0, 3], x[0, 7] = float("inf"), float("nan")
+    x = torch.randn(batch, K, generator=gen).bfloat16()
+    x[-1, 3], x[-1, 7] = float("inf"), float("nan")
     got = matvec_cpu(x, MatvecWeights.prepare(weights, scales, biases), torch.float32)
     ref = matvec_ref(x.float(), weights, scales, biases)
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())

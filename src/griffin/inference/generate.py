@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from griffin.cache import Cache
-from griffin.inference.matvec import Int8PackLinear, MatvecLinear, matvec_swapped
+from griffin.inference.matvec import Int8PackLinear, MatvecLinear, int8pack_for, matvec_swapped
 from griffin.inference.prepack import PackedLinear, can_prepack, prepacked
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
@@ -208,7 +208,7 @@ def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
     if matvec is None:
         matvec = model.device.type == "cpu" and (quantized or (batch_size == 1 and not prepack))
     if matvec:
-        return matvec_swapped(model, int8pack=batch_size > 1)
+        return matvec_swapped(model, int8pack=int8pack_for(batch_size))
     if prepack is None:
         prepack = not quantized and can_prepack(model.output_weight)
     return prepacked(model, batch_size) if prepack else model

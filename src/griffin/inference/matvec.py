@@ -13,12 +13,13 @@ tensor, in which
 whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The kernel is
 :mod:`griffin.ops.matvec.cpu`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results equal
 the layers' own up to float32 rounding (the sums' order); the layers' biases and int8 scales are copied (concatenated)
-here, so later changes to those are not seen (make a new copy after training). Int8 layers of a bfloat16 model with
-per-channel scales and an input width divisible by 16 run instead through PyTorch's own int8 matmul
-(:class:`Int8PackLinear`), faster than this kernel's several-row path there. The :class:`griffin.inference.Decoder`
-uses this swap for int8 models and for float models decoding one row (the kernel's one-row path was about 1.6× as
-fast as oneDNN's matmul on the machine of docs/performance.md); float models decoding several rows go through
-oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
+here, so later changes to those are not seen (make a new copy after training). With ``int8pack`` (the decoder's
+choice where :func:`int8pack_for` says so: beyond :data:`KERNEL_INT8_ROWS` rows, or several rows on a host without
+``vpdpbusd``), int8 layers of a bfloat16 model with per-channel scales and an input width divisible by 16 run instead
+through PyTorch's own int8 matmul (:class:`Int8PackLinear`), faster than the kernel's widened several-row path.
+The :class:`griffin.inference.Decoder` uses this swap for int8 models and for float models decoding one row (the
+kernel's one-row path was about 1.6× as fast as oneDNN's matmul on the machine of docs/performance.md); float models
+decoding several rows go through oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from griffin.layers import BlockDiagonalLinear, LinearGroup
 from griffin.layers.quantized import Int8Linear, Int8TiedOutput
 from griffin.model import TiedOutput
 from griffin.ops.matvec.cpu import WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
+from griffin.ops.matvec.isa import FAST_DOTS
 
 LINEAR_LAYERS = (nn.Linear, TiedOutput, Int8Linear, Int8TiedOutput)
 
@@ -107,6 +109,17 @@ def can_block_diagonal(layer: nn.Module) -> bool:
             and layer.w.dtype in (torch.float32, torch.bfloat16))
 
 
+KERNEL_INT8_ROWS = 8  # up to this many rows, int8 layers decode through the kernel (where the host has vpdpbusd)
+
+
+def int8pack_for(batch_size: int) -> bool:
+    """Whether the int8 layers of a decode step of ``batch_size`` rows go through PyTorch's int8 matmul
+    (:class:`Int8PackLinear`) rather than the kernel: beyond :data:`KERNEL_INT8_ROWS` rows, or at several rows on a
+    host without the unsigned x signed byte instruction (:data:`griffin.ops.matvec.isa.FAST_DOTS`), where the kernel
+    widens each weight to float32."""
+    return batch_size > 1 and ("int8" not in FAST_DOTS or batch_size > KERNEL_INT8_ROWS)
+
+
 def can_int8pack(layer: nn.Module, dtype: torch.dtype | None) -> bool:
     """Whether PyTorch's own weight-only int8 CPU matmul (``torch._weight_int8pack_mm``, the kernel gpt-fast and
     torchao use) computes ``layer`` for activations of ``dtype``: an int8 layer with one scale per output channel on
@@ -149,8 +162,8 @@ def _fusable(layers: list[nn.Module]) -> bool:
 
 def matvec_swapped(model: nn.Module, int8pack: bool = True) -> nn.Module:
     """A copy of ``model`` sharing its tensors, whose linear layers run through the CPU kernel (see the module
-    docstring); layers the kernel cannot read are left as they are. ``int8pack=False``: int8 layers too (one input
-    row: the kernel's one-row path is faster than PyTorch's int8 matmul)."""
+    docstring); layers the kernel cannot read are left as they are. ``int8pack=False``: int8 layers too (faster than
+    PyTorch's int8 matmul at one row, and up to :data:`KERNEL_INT8_ROWS` rows where the host has ``vpdpbusd``)."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     clone = copy.deepcopy(model, memo)
     dtype = getattr(model, "dtype", None)  # the activations' (CausalLM)
@@ -165,7 +178,7 @@ def matvec_swapped(model: nn.Module, int8pack: bool = True) -> nn.Module:
         for name, child in list(module.named_children()):
             if id(child) in fused:
                 continue
-            if int8pack and can_int8pack(child, dtype):  # faster than the kernel's several-row path for int8 in bf16
+            if int8pack and can_int8pack(child, dtype):
                 setattr(module, name, Int8PackLinear(child))
             elif can_block_diagonal(child):
                 setattr(module, name, MatvecBlockDiagonal(child))

@@ -10,11 +10,13 @@ that LLVM vectorises over the inputs (AVX2/AVX-512). Output rows are split among
 :data:`TILE` rows; several matrices that read the same input (attention's q/k/v, the MLP's two branches) are one
 call, one parallel region over the tiles of all of them, with no copy of the weights.
 
-At one input row on a host with AVX-512 BF16 / VNNI (:mod:`griffin.ops.matvec.isa`), bfloat16 weights times a
-bfloat16 row go through ``vdpbf16ps`` and int8 weights through ``vpdpbusd`` with the row rounded to int16 steps of
-max |x| / 32767 (:func:`griffin.ops.matvec.reference.quantize_row_int16`, an error below bfloat16's own rounding of
+On a host with AVX-512 BF16 / VNNI (:mod:`griffin.ops.matvec.isa`), bfloat16 weights times one bfloat16 row go
+through ``vdpbf16ps``, and int8 weights times any number of rows through ``vpdpbusd``, each row rounded to int16 steps
+of max |x| / 32767 (:func:`griffin.ops.matvec.reference.quantize_row_int16`, an error below bfloat16's own rounding of
 the row's larger entries; the sums over int8 weights are then exact integers): 32 or 64 weights per instruction
 instead of one widening and one multiply-add each, which is what kept the widened loop below the read bandwidth.
+Several rows are taken in blocks of 4 weight rows x 2 input rows, so that each loaded vector serves several
+instructions.
 The RG-LRU's block-diagonal gates have their own kernel (:func:`block_diagonal_cpu`), which reads each block once
 per row.
 
@@ -37,7 +39,16 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.isa import DOT_CHUNK, FAST_DOTS, VECTOR, dot_bf16, dot_uint16_int8
+from griffin.ops.matvec.isa import (
+    DOT_CHUNK,
+    FAST_DOTS,
+    ROWS,
+    VECTOR,
+    WEIGHT_ROWS,
+    dot_bf16,
+    dot_rows_uint16_int8,
+    dot_uint16_int8,
+)
 from griffin.ops.matvec.reference import INT16_MAX
 
 TILE = 16  # output rows per task
@@ -257,6 +268,58 @@ def _one_row_int8_kernel(high, low, step, weights, tiles, sums, scale, bias, out
             out[c] = total * step + bias[c]
 
 
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _rows_int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, out):  # type: ignore[no-untyped-def]
+    """:func:`_one_row_int8_kernel` for B rows, each with its own int16 steps: ``high``, ``low`` (B', K) with
+    B' >= B a multiple of :data:`griffin.ops.matvec.isa.ROWS` (the rows past B are computed, not written out),
+    ``steps`` (B,), out (B, N). A block of WEIGHT_ROWS weight rows against ROWS input rows at a time
+    (:func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`); the weight rows stay in the L1 cache for the next input
+    rows. At the end of a tile the block repeats its last row (computed, not written out)."""
+    B = out.shape[0]
+    K = high.shape[1]
+    G = scale.shape[1]
+    group = K // G
+    gv = group - group % VECTOR
+    n = WEIGHT_ROWS * ROWS
+    for t in prange(tiles.shape[0]):
+        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        w = weights[j]
+        acc = np.empty(n, np.int64)
+        total = np.empty(n, np.float32)
+        for i in range(0, rows, WEIGHT_ROWS):
+            for m0 in range(0, B, ROWS):
+                total[:] = 0.0
+                for g in range(G):
+                    k0 = g * group
+                    acc[:] = 0
+                    for d in range(0, gv, DOT_CHUNK):
+                        block = dot_rows_uint16_int8(high, low, m0, w, r0 + i, r0 + rows - 1, k0 + d,
+                                                     min(DOT_CHUNK, gv - d))
+                        for q in range(n):
+                            acc[q] += block[q]
+                    for q in range(n):
+                        m, e = m0 + q % ROWS, min(i + q // ROWS, rows - 1)
+                        for k in range(k0 + gv, k0 + group):
+                            x_k = np.int64(high[m, k]) * 256 + np.int64(low[m, k]) - OFFSET
+                            acc[q] += x_k * np.int64(w[r0 + e, k])
+                        total[q] += np.float32(acc[q] - np.int64(sums[c0 + e, g]) * OFFSET) * scale[c0 + e, g]
+                for q in range(n):
+                    m, e = m0 + q % ROWS, i + q // ROWS
+                    if m < B and e < rows:
+                        out[m, c0 + e] = total[q] * steps[m] + bias[c0 + e]
+
+
+@numba.njit(cache=True)
+def _quantize_rows_int16(x, high, low, steps):  # type: ignore[no-untyped-def]
+    """:func:`_quantize_row_int16` of each row of x (B, K) into high, low and steps (B,); False if a row has an
+    infinite or NaN entry."""
+    for b in range(x.shape[0]):
+        steps[b] = _quantize_row_int16(x[b], high[b], low[b])
+        if steps[b] == 0:
+            return False
+    return True
+
+
 @numba.njit(fastmath=False, cache=True)
 def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
     """:func:`griffin.ops.matvec.reference.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits),
@@ -402,11 +465,29 @@ def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None
     out = torch.empty(flat.shape[0], prepared.out_features, dtype=torch.float32)
     if flat.shape[0] == 1:
         _one_row(flat[0], prepared, out.numpy()[0])
-    elif flat.shape[0]:
+    elif flat.shape[0] and not _int8_rows(flat, prepared, out.numpy()):
         rows = flat.to(torch.float32).contiguous().numpy()
         _matvec_kernel(rows, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
     out = out.reshape(*x.shape[:-1], prepared.out_features)
     return out.to(out_dtype or x.dtype)
+
+
+def _int8_rows(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> bool:
+    """out (B, N) = x (B, K) times int8 matrices through ``vpdpbusd`` (:func:`_rows_int8_kernel`), each row rounded
+    to its own int16 steps; False (nothing done) for other weights, on a host without the instruction, or for an x
+    with an infinite or NaN entry (which int16 steps cannot hold)."""
+    if prepared.arrays[0].dtype != np.int8 or "int8" not in FAST_DOTS:
+        return False
+    x = x.contiguous()
+    bits = (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()  # what widen() reads
+    padded_rows = -(-x.shape[0] // ROWS) * ROWS
+    high, low = np.zeros((padded_rows, x.shape[1]), np.uint8), np.zeros((padded_rows, x.shape[1]), np.uint8)
+    steps = np.empty(x.shape[0], np.float32)
+    if not _quantize_rows_int16(bits, high, low, steps):
+        return False
+    _rows_int8_kernel(high, low, steps, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale, prepared.bias,
+                      out)
+    return True
 
 
 def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """Dot products through the x86 instructions that multiply-accumulate narrow numbers (AVX-512 BF16 and VNNI), as
-numba intrinsics for the one-row matvec kernel (:mod:`griffin.ops.matvec.cpu`, Section 5.1).
+numba intrinsics for the matvec kernel (:mod:`griffin.ops.matvec.cpu`, Section 5.1).
 
 A decode step at one row reads each weight once and does one multiply-add with it. Widened to float32 one by one,
 the weights are consumed at a rate that leaves the memory system idle part of the time; these instructions take 32
@@ -13,7 +13,10 @@ or 64 narrow pairs at once, so the kernel streams the weights at close to the re
   pairs per instruction, one instruction for each byte of u. The int8 kernel's row is int16, x = u - 32768, so
   x w = u w - 32768 sum(w), with sum(w) computed once per weight row and group. (Sign-extending w to 16 bits for
   ``vpdpwssd`` costs an instruction per 32 weights, and it kept the kernel below the read bandwidth.) The int32
-  sums are exact for n <= :data:`DOT_CHUNK`.
+  sums are exact for n <= :data:`DOT_CHUNK`;
+- :func:`dot_rows_uint16_int8`: the same for a block of :data:`WEIGHT_ROWS` weight rows and :data:`ROWS` input
+  rows (several rows of a decode step), each loaded vector used for several instructions, sixteen independent
+  accumulators.
 
 n must be a multiple of :data:`VECTOR` (several accumulators, so that their chains of multiply-adds overlap).
 :data:`FAST_DOTS` names the weight dtypes this host has an instruction for (none on a host without them, or with
@@ -154,3 +157,62 @@ def dot_uint16_int8(typingctx, high, low, w, start, n):  # type: ignore[no-untyp
         return builder.add(builder.shl(sums[0], ir.Constant(i64, 8)), sums[1])
 
     return types.int64(high, low, w, start, n), codegen
+
+
+# The block of dot_rows_uint16_int8: 4 x 2 x 2 = 16 accumulators, a zmm register each. At 8 input rows, 4 weight
+# rows x 2 input rows read faster than 2 x 4, 8 x 1 and 2 x 2 (docs/performance.md).
+WEIGHT_ROWS, ROWS = 4, 2
+
+
+@intrinsic
+def dot_rows_uint16_int8(typingctx, high, low, m0, w, r0, last, start, n):  # type: ignore[no-untyped-def]
+    """The exact int64 sums of (256 high[m, k] + low[m, k]) w[r, k] over k in [start, start + n), for the
+    :data:`ROWS` input rows m = m0, m0 + 1, ... and the :data:`WEIGHT_ROWS` weight rows r = r0, r0 + 1, ... (each
+    at most ``last``): a tuple of WEIGHT_ROWS ROWS sums, r0's first. high and low (B, K) uint8, w (N, K) int8,
+    C-contiguous. Each weight vector is loaded once for all the input rows and each input vector once for all the
+    weight rows. n must be a multiple of 64; exact for n <= :data:`DOT_CHUNK`."""
+    for arr, dtype in ((high, types.uint8), (low, types.uint8), (w, types.int8)):
+        if not (isinstance(arr, types.Array) and arr.ndim == 2 and arr.layout == "C" and arr.dtype == dtype):
+            raise TypingError(f"dot_rows_uint16_int8 reads C-contiguous 2-D {dtype} arrays, got {arr}")
+    if not all(isinstance(a, types.Integer) for a in (m0, r0, last, start, n)):
+        raise TypingError("dot_rows_uint16_int8: m0, r0, last, start and n are integers")
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        high, low, w = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3))
+        m0, r0, last, start, n = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 4, 5, 6, 7))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X16, [_I32X16] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        load = _load(_I8X64, 1, as_type=_I32X16)
+
+        def row(arr, index):  # type: ignore[no-untyped-def]
+            return builder.gep(arr.data, [builder.mul(index, builder.extract_value(arr.shape, 1))])
+
+        def plus(v, i):  # type: ignore[no-untyped-def]
+            return builder.add(v, ir.Constant(v.type, i))
+
+        inputs = [[row(a, plus(m0, m)) for a in (high, low)] for m in range(ROWS)]
+        weights = []
+        for i in range(WEIGHT_ROWS):
+            r = plus(r0, i)
+            weights.append(row(w, builder.select(builder.icmp_signed("<=", r, last), r, last)))
+        # accs[i][m][p]: weight row i, input row m, byte p (high, low) of u
+        accs = [[[cgutils.alloca_once_value(builder, ir.Constant(_I32X16, None)) for _ in range(2)]
+                 for _ in range(ROWS)] for _ in range(WEIGHT_ROWS)]
+        with cgutils.for_range_slice(builder, start, builder.add(start, n), ir.Constant(start.type, 64)) as (k, _):
+            wv = [load(builder, builder.gep(p, [k])) for p in weights]
+            for m in range(ROWS):
+                for p in range(2):
+                    xv = load(builder, builder.gep(inputs[m][p], [k]))
+                    for i in range(WEIGHT_ROWS):
+                        builder.store(builder.call(fn, [builder.load(accs[i][m][p]), xv, wv[i]]), accs[i][m][p])
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), [_I32X16]),
+                                                "llvm.vector.reduce.add.v16i32")
+        i64 = ir.IntType(64)
+        out = []
+        for i in range(WEIGHT_ROWS):
+            for m in range(ROWS):
+                high_sum, low_sum = (builder.sext(builder.call(reduce, [builder.load(a)]), i64) for a in accs[i][m])
+                out.append(builder.add(builder.shl(high_sum, ir.Constant(i64, 8)), low_sum))
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(types.int64, WEIGHT_ROWS * ROWS)(high, low, m0, w, r0, last, start, n), codegen
