@@ -458,7 +458,8 @@ class MatvecWeights:
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
     """x (..., K) times the prepared matrices (transposed), plus biases, concatenated: (..., N) in ``out_dtype``
-    (default x's)."""
+    (default x's). One row: :func:`_one_row`; several rows of int8 weights: :func:`_int8_rows` where the host has
+    ``vpdpbusd``; else the widened several-row kernel."""
     if x.shape[-1] != prepared.in_features:
         raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
     flat = x.reshape(-1, x.shape[-1])
@@ -472,14 +473,20 @@ def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None
     return out.to(out_dtype or x.dtype)
 
 
+def _widen_view(x: Tensor) -> np.ndarray:
+    """x as :func:`widen` reads it (no copy where possible): bfloat16 as its uint16 bits, anything else as float32,
+    contiguous."""
+    x = x.contiguous()
+    return (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()
+
+
 def _int8_rows(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> bool:
     """out (B, N) = x (B, K) times int8 matrices through ``vpdpbusd`` (:func:`_rows_int8_kernel`), each row rounded
     to its own int16 steps; False (nothing done) for other weights, on a host without the instruction, or for an x
     with an infinite or NaN entry (which int16 steps cannot hold)."""
     if prepared.arrays[0].dtype != np.int8 or "int8" not in FAST_DOTS:
         return False
-    x = x.contiguous()
-    bits = (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()  # what widen() reads
+    bits = _widen_view(x)
     padded_rows = -(-x.shape[0] // ROWS) * ROWS
     high, low = np.zeros((padded_rows, x.shape[1]), np.uint8), np.zeros((padded_rows, x.shape[1]), np.uint8)
     steps = np.empty(x.shape[0], np.float32)
@@ -496,8 +503,7 @@ def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
     int8 weights and a finite x (rounded to int16 steps, :func:`griffin.ops.matvec.reference.quantize_row_int16`);
     else widened to float32 (:func:`_one_row_kernel`)."""
     dtype = prepared.arrays[0].dtype
-    x = x.contiguous()
-    bits = (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()  # what widen() reads
+    bits = _widen_view(x)
     if dtype == np.uint16 and x.dtype == torch.bfloat16 and "bfloat16" in FAST_DOTS:
         _one_row_bf16_kernel(bits, prepared.arrays, prepared.tiles, prepared.bias, out)
         return
@@ -508,7 +514,7 @@ def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
             _one_row_int8_kernel(high, low, step, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale,
                                  prepared.bias, out)
             return
-    xf = bits if bits.dtype == np.float32 else x.to(torch.float32).numpy()
+    xf = bits if bits.dtype == np.float32 else x.to(torch.float32).contiguous().numpy()
     _one_row_kernel(xf, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out)
 
 
