@@ -44,7 +44,8 @@ import torch  # noqa: E402
 
 from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
 from griffin.inference.generate import weight_bytes
-from griffin.inference.matvec import MatvecBlockDiagonal, MatvecLinear
+from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear
+from griffin.inference.prepack import PackedLinear
 from griffin.quantize import quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -112,9 +113,9 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
     forwards = {cls: cls.forward for cls in labels}
 
     def recorded(cls: type) -> Callable:
-        def forward(self: torch.nn.Module, x: torch.Tensor) -> Any:
+        def forward(self: torch.nn.Module, x: torch.Tensor, *args: Any) -> Any:
             with record_function(labels[cls]):
-                return forwards[cls](self, x)
+                return forwards[cls](self, x, *args)
 
         return forward
 
@@ -144,11 +145,18 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
 
 def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) -> dict:
     """Where a decode step's time goes, in ms (medians over ``steps`` steps after ``warmup``): the whole step; its
-    kernel calls (matvec and gates) timed inside it; the same calls replayed back to back on the inputs they had;
-    the step with every kernel call answered at once by the output it gave before (the step without the weights)."""
-    kinds = (MatvecLinear, MatvecBlockDiagonal)
-    forwards = {cls: cls.forward for cls in kinds}
+    weight matmuls (the matvec kernel's calls, the gates' where they are a call of their own, oneDNN's and PyTorch's
+    int8 matmuls) timed inside it; the same calls replayed back to back on the inputs they had; the step with every
+    such call answered at once by the output it gave before (the step without the weights; in the fused step the
+    gates run inside the recurrent block's kernel, so they count there)."""
+    methods = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedLinear: "forward",
+               Int8PackLinear: "forward"}  # what the step calls (MatvecLinear.forward calls side_by_side)
+    originals = {cls: getattr(cls, name) for cls, name in methods.items()}
     tokens = prompts[:, -1].clone()
+
+    def patch(fn: Callable) -> None:
+        for cls, name in methods.items():
+            setattr(cls, name, fn)
 
     def steps_ms(decoder: Decoder, n: int) -> list[float]:
         times = []
@@ -160,44 +168,41 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
 
     inside, calls, answers = [0.0], [], {}
 
-    def timed(self: torch.nn.Module, x: torch.Tensor) -> Any:
+    def timed(self: torch.nn.Module, x: torch.Tensor, *args: Any) -> Any:
         start = time.perf_counter()
-        out = forwards[type(self)](self, x)
+        out = originals[type(self)](self, x, *args)
         inside[0] += 1e3 * (time.perf_counter() - start)
         return out
 
-    def recorded(self: torch.nn.Module, x: torch.Tensor) -> Any:
-        calls.append((self, x.clone()))
-        answers[id(self)] = out = forwards[type(self)](self, x)
+    def recorded(self: torch.nn.Module, x: torch.Tensor, *args: Any) -> Any:
+        calls.append((self, x.clone(), args))
+        answers[id(self)] = out = originals[type(self)](self, x, *args)
         return out
 
-    def answered(self: torch.nn.Module, x: torch.Tensor) -> Any:
+    def answered(self: torch.nn.Module, x: torch.Tensor, *args: Any) -> Any:
         return answers[id(self)]
 
     try:
-        for cls in kinds:
-            cls.forward = timed
+        patch(timed)
         _, cache = prefill(model, prompts, max_length=prompts.shape[1] + warmup + 2 * steps + 2)
         decoder = Decoder(model, cache)
         steps_ms(decoder, warmup)
         inside[0] = 0.0
         step = steps_ms(decoder, steps)
         kernels_inside = inside[0] / steps
-        for cls in kinds:
-            cls.forward = recorded
+        patch(recorded)
         decoder(tokens)
-        for cls in kinds:
-            cls.forward = answered
+        patch(answered)
         without = statistics.median(steps_ms(decoder, steps))
     finally:
-        for cls, forward in forwards.items():
-            cls.forward = forward
+        for cls, name in methods.items():
+            setattr(cls, name, originals[cls])
     replays = []
     with torch.no_grad():
         for _ in range(steps):
             start = time.perf_counter()
-            for module, x in calls:
-                module(x)
+            for module, x, args in calls:
+                getattr(module, methods[type(module)])(x, *args)
             replays.append(1e3 * (time.perf_counter() - start))
     return dict(step_ms=statistics.median(step), kernels_inside_ms=kernels_inside,
                 kernels_replayed_ms=statistics.median(replays), step_without_kernels_ms=without, calls=len(calls))
@@ -234,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile bfloat16 and int8 steps at batch 1 on the first model (torch.profiler)")
     p.add_argument("--split", action="store_true",
-                   help="also split bfloat16 and int8 steps at batch 1 on the first model: kernel calls inside the "
-                        "step, the same calls replayed alone, the step without them")
+                   help="also split bfloat16 and int8 steps at each batch on the first model: the weight matmuls "
+                        "inside the step, the same calls replayed alone, the step without them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = p.parse_args(argv)
@@ -293,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                 profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
                     griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))
             if args.split and name == args.models[0] and dtype in ("bfloat16", "int8"):
-                splits.append(dict(model=name, dtype=dtype, batch=1, **split_step(
-                    model, prompts_of[args.batches[0]][:1], args.warmup, args.steps)))
+                for b in args.batches:
+                    splits.append(dict(model=name, dtype=dtype, batch=b, **split_step(
+                        model, prompts_of[b], args.warmup, args.steps)))
             if dtype == "bfloat16" and hf_wanted and name in HF_SHAPES:
                 with tempfile.TemporaryDirectory() as tmp:
                     hf = hf_from(model, Path(tmp))
@@ -340,12 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         print(table(prof["ops"], [("operator", "op", ""), ("calls/step", "calls", ".1f"),
                                   ("self ms/step", "self_ms", ".2f")]))
     if splits:
-        print("\nwhere a batch-1 step goes (ms; kernels: the matvec and gates calls)")
-        print(table(splits, [("model", "model", ""), ("weights", "dtype", ""), ("step", "step_ms", ".1f"),
-                             ("kernels inside the step", "kernels_inside_ms", ".1f"),
+        print("\nwhere a step goes (ms; matmuls: the weight matmuls' calls)")
+        print(table(splits, [("model", "model", ""), ("weights", "dtype", ""), ("batch", "batch", "d"),
+                             ("step", "step_ms", ".1f"), ("matmuls inside the step", "kernels_inside_ms", ".1f"),
                              ("the same calls replayed", "kernels_replayed_ms", ".1f"),
-                             ("step without the kernels", "step_without_kernels_ms", ".1f"),
-                             ("kernel calls", "calls", "d")]))
+                             ("step without the matmuls", "step_without_kernels_ms", ".1f"),
+                             ("matmul calls", "calls", "d")]))
     write_json(args.out, dict(args=vars(args), machine=info, load_average_end=machine_info(torch.device("cpu"))[
         "load_average"], wall_s=wall, read_bandwidth=bandwidths, rows=rows, goals=goals, profiles=profiles,
         splits=splits))

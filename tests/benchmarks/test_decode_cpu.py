@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from griffin import CausalLM, ModelConfig
 from griffin.inference.generate import decode_model
-from griffin.inference.matvec import MatvecBlockDiagonal, MatvecLinear
+from griffin.inference.matvec import MatvecLinear
+from griffin.inference.prepack import PackedLinear
+from griffin.model import ResidualBlock
+from griffin.quantize import quantize_int8
 from tests.benchmarks.test_inference_benchmark import load_benchmark
 
 
 def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     out = tmp_path / "decode.json"
     main = load_benchmark("decode_cpu").main
-    assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "--no-hf",
+    assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "2", "--no-hf",
                  "--split", "--warmup", "1", "--steps", "2", "--threads", "1", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert [(r["dtype"], r["batch"]) for r in results["rows"]] == [("bfloat16", 1), ("int8", 1)]
+    runs = [("bfloat16", 1), ("bfloat16", 2), ("int8", 1), ("int8", 2)]
+    assert [(r["dtype"], r["batch"]) for r in results["rows"]] == runs
     assert results["machine"]["openmp"]["OMP_WAIT_POLICY"] == "passive"
-    # one call per matvec module (a fused group is one) and per gate in a step
-    swapped = decode_model(CausalLM(ModelConfig.from_preset("griffin-tiny")), 1)
-    kernels = sum(isinstance(m, (MatvecLinear, MatvecBlockDiagonal)) for m in swapped.modules())
-    assert [(s["dtype"], s["calls"]) for s in results["splits"]] == [("bfloat16", kernels), ("int8", kernels)]
+    # one call per weight matmul module in a step (a fused group is one; the gates run inside the fused recurrent
+    # block's kernel): the matvec kernel at one row and for int8, oneDNN's prepacked matmuls for bfloat16 at two
+    model = CausalLM(ModelConfig.from_preset("griffin-tiny")).to(torch.bfloat16)
+    calls = {}
+    for dtype, batch in runs:
+        swapped = decode_model(quantize_int8(model) if dtype == "int8" else model, batch)
+        assert not any(isinstance(m, ResidualBlock) for m in swapped.modules())  # every block fused
+        calls[dtype, batch] = sum(isinstance(m, (MatvecLinear, PackedLinear)) for m in swapped.modules())
+    assert calls["bfloat16", 2] > calls["bfloat16", 1]  # oneDNN: each projection of a group is a call
+    assert [(s["dtype"], s["batch"], s["calls"]) for s in results["splits"]] == [(*run, calls[run]) for run in runs]
     for s in results["splits"]:
         assert all(s[k] > 0 for k in ("step_ms", "kernels_inside_ms", "kernels_replayed_ms", "step_without_kernels_ms"))
     assert "the same calls replayed" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from griffin.cache import Cache
 from griffin.inference.matvec import Int8PackLinear, MatvecLinear, int8pack_for, matvec_swapped
 from griffin.inference.prepack import PackedLinear, can_prepack, prepacked
+from griffin.inference.step import FusedResidualBlock, fused_step_swapped
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
 
@@ -192,7 +193,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def is_swapped(model: nn.Module) -> bool:
     """Whether ``model`` is already a decode copy (:func:`decode_model`): its matmuls swapped for the CPU kernels."""
-    return any(isinstance(m, (Int8PackLinear, MatvecLinear, PackedLinear)) for m in model.modules())
+    return any(isinstance(m, (Int8PackLinear, MatvecLinear, PackedLinear, FusedResidualBlock)) for m in model.modules())
 
 
 def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
@@ -208,10 +209,10 @@ def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
     if matvec is None:
         matvec = model.device.type == "cpu" and (quantized or (batch_size == 1 and not prepack))
     if matvec:
-        return matvec_swapped(model, int8pack=int8pack_for(batch_size))
+        return fused_step_swapped(matvec_swapped(model, int8pack=int8pack_for(batch_size)))
     if prepack is None:
         prepack = not quantized and can_prepack(model.output_weight)
-    return prepacked(model, batch_size) if prepack else model
+    return fused_step_swapped(prepacked(model, batch_size)) if prepack else model
 
 
 class Decoder:

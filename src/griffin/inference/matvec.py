@@ -70,12 +70,17 @@ class MatvecLinear(nn.Module):
         self.register_buffer("bias", torch.from_numpy(self.prepared.bias), persistent=False)
         self.register_buffer("sums", torch.from_numpy(self.prepared.sums), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+    def side_by_side(self, x: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        """The layers' outputs side by side (..., sum of their widths) in ``out_dtype`` (default: x's; float32 is the
+        kernel's own, not rounded)."""
         if torch.compiler.is_compiling():
             weights = [getattr(self, f"weight{j}") for j in range(len(self.sizes))]
             out = torch.ops.griffin.matvec.default(x, weights, self.tiles, self.scale, self.bias, self.sums)
-        else:
-            out = matvec_cpu(x, self.prepared)
+            return out if out_dtype is None else out.to(out_dtype)
+        return matvec_cpu(x, self.prepared, out_dtype)
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        out = self.side_by_side(x)
         return tuple(out.split(self.sizes, -1)) if self.group else out
 
     def extra_repr(self) -> str:

@@ -1,0 +1,100 @@
+"""A decode step with its element-wise work fused on CPU (Section 5), applied from outside the model as a module swap.
+
+A decode step of a 1-3B model reads its weights once, through the matvec kernels or oneDNN (docs/performance.md,
+"CPU decode at 1–3B"); what the model computes around those matmuls, one token per row, took another 17-35 ms per
+step in some 150 eager operators per layer. :func:`fused_step_swapped` replaces each residual block of a decode copy
+of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which runs a step
+through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the two RMSNorms
+and the residual add, the MLP's GeLU product, and for a recurrent block everything between its two projections in one
+parallel region. Anything else (a prompt, a document start or padding, a compiled step, gradients) goes through the
+block as it is, so the copy computes what the model computes, up to float32 rounding inside the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from griffin.inference.matvec import MatvecLinear
+from griffin.layers import RecurrentBlock
+from griffin.layers.context import Context
+from griffin.layers.recurrent_block import RecurrentState
+from griffin.layers.rg_lru import RGLRU
+from griffin.model import ResidualBlock
+from griffin.ops.decode_step import STEP_DTYPES, RecurrentWeights, gelu_product_step, recurrent_step, rms_norm_step
+
+
+def _gate(gate: nn.Module) -> tuple[Tensor, Tensor] | None:
+    """A block-diagonal gate's (w (H, Din, Dout), b (H, Dout)) if the kernel reads them (float32 or bfloat16, CPU,
+    contiguous), whether the layer or its matvec swap (:class:`griffin.inference.matvec.MatvecBlockDiagonal`)."""
+    w, b = getattr(gate, "w", None), getattr(gate, "b", getattr(gate, "bias", None))
+    if not isinstance(w, Tensor) or not isinstance(b, Tensor) or w.dim() != 3 or w.shape[1] != w.shape[2]:
+        return None
+    if any(t.dtype not in STEP_DTYPES or t.device.type != "cpu" or not t.is_contiguous() for t in (w, b)):
+        return None
+    return w, b
+
+
+def _side_by_side(group: nn.Module, x: Tensor) -> Tensor:
+    """The outputs of a group of projections (:class:`griffin.layers.LinearGroup`, or its matvec swap) for rows x
+    (B, D), side by side: (B, sum of their widths), from the matvec kernel in float32 (the kernels round them as the
+    model would), else in the layers' dtype."""
+    if isinstance(group, MatvecLinear):
+        return group.side_by_side(x, torch.float32)
+    return torch.cat(group(x), -1)
+
+
+class FusedResidualBlock(nn.Module):
+    """A :class:`griffin.model.ResidualBlock` (its modules shared, under the same names) whose decode steps run
+    through :mod:`griffin.ops.decode_step` (see the module docstring)."""
+
+    def __init__(self, block: ResidualBlock) -> None:
+        super().__init__()
+        self.block_type = block.block_type
+        self.temporal_pre_norm, self.temporal_block = block.temporal_pre_norm, block.temporal_block
+        self.channel_pre_norm, self.mlp_block = block.channel_pre_norm, block.mlp_block
+        self.reference = [block]  # a list, so that its modules are not registered twice
+        self.weights: RecurrentWeights | None = None
+        temporal = block.temporal_block
+        if isinstance(temporal, RecurrentBlock) and isinstance(temporal.rg_lru, RGLRU):
+            gates = _gate(temporal.rg_lru.input_gate), _gate(temporal.rg_lru.a_gate)
+            conv = temporal.conv_1d
+            if None not in gates and conv.w.dtype in STEP_DTYPES and conv.w.device.type == "cpu":
+                lru = temporal.rg_lru
+                self.weights = RecurrentWeights.prepare(conv.w, conv.b, *gates, lru.a_param, lru.c)
+        scales = (block.temporal_pre_norm.scale, block.channel_pre_norm.scale)
+        self.dtype = scales[0].dtype
+        self.fusable = self.dtype in STEP_DTYPES and all(t.dtype == self.dtype and t.device.type == "cpu"
+                                                         for t in scales)
+
+    def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
+        if not (self.fusable and cache is not None and x.shape[1] == 1 and ctx.reset is None and ctx.pad is None
+                and x.dtype == self.dtype and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            return self.reference[0](x, ctx, cache)
+        B, _, D = x.shape
+        rows = x.reshape(B, D)
+        _, normed = rms_norm_step(rows, self.temporal_pre_norm.scale, self.temporal_pre_norm.eps)
+        if self.weights is not None:
+            mixed = self._recurrent(normed, cache)
+        else:
+            mixed = self.temporal_block(normed[:, None], ctx, cache)[:, 0]
+        residual, normed = rms_norm_step(rows, self.channel_pre_norm.scale, self.channel_pre_norm.eps, delta=mixed)
+        mlp = self.mlp_block
+        hidden = gelu_product_step(_side_by_side(mlp.gate_up, normed), mlp.gelu_approximation, x.dtype)
+        return (residual + mlp.down_proj(hidden)).view(B, 1, D)
+
+    def _recurrent(self, x: Tensor, cache: RecurrentState) -> Tensor:
+        """The recurrent block (Figure 2c) for rows x (B, D), its state updated in place."""
+        block = self.temporal_block
+        hidden = recurrent_step(_side_by_side(block.in_proj, x), cache.conv, cache.h, self.weights,
+                                block.config.gelu_approximation, x.dtype)
+        return block.linear_out(hidden)
+
+
+def fused_step_swapped(model: nn.Module) -> nn.Module:
+    """``model`` (a decode copy, changed in place) with each residual block a :class:`FusedResidualBlock`."""
+    for i, block in enumerate(model.blocks):
+        if isinstance(block, ResidualBlock):
+            model.blocks[i] = FusedResidualBlock(block)
+    return model

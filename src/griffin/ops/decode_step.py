@@ -1,0 +1,325 @@
+"""The element-wise work of a decode step on CPU, fused (Section 5): RMSNorm and the residual add before it, the
+gated MLP's GeLU product, and the whole recurrent block between its two projections (the Conv1D step, the RG-LRU's
+block-diagonal gates and recurrence of Section 2.4, the product with the GeLU branch) in one parallel region.
+
+At one token per row these layers hold a few thousand values each, and the eager operators that compute them in the
+model (about 150 per layer and step) cost more than their arithmetic. Each kernel computes what its layer's forward
+computes for one token per row without document starts or padding (every decode step), from tensors in their stored
+dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
+value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
+before using them). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
+:class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`): tests compare the kernels to them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import prange, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+from torch import Tensor
+
+from griffin.ops.matvec.cpu import _float32_from_bits, widen
+
+STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
+
+
+@intrinsic
+def _bits_of_float32(typingctx, value):  # type: ignore[no-untyped-def]
+    """The IEEE-754 bits of the float32 ``value`` as a uint32 (an LLVM bitcast)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+def narrow(v, like):  # type: ignore[no-untyped-def]
+    """float32 ``v`` stored as ``like``'s type: bfloat16 bits (rounded to nearest even, as a cast), or float32."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+@overload(narrow, inline="always")
+def _narrow(v, like):  # type: ignore[no-untyped-def]
+    if like == types.uint16:
+        def to_bfloat16(v, like):  # type: ignore[no-untyped-def]
+            bits = _bits_of_float32(np.float32(v))
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            quiet = (bits >> np.uint32(16)) | np.uint32(0x40)  # a NaN stays a NaN
+            nan = np.int64((bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
+            return np.uint16(np.int64(rounded) + nan * (np.int64(quiet) - np.int64(rounded)))  # no branch: vectorised
+
+        return to_bfloat16
+    if like == types.float32:
+        return lambda v, like: np.float32(v)
+    raise TypingError(f"decode_step: no storage for values of type {like}")
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _rounded(v, like):  # type: ignore[no-untyped-def]
+    """v as the model holds it in ``like``'s dtype (rounded to bfloat16, or float32 as it is), widened again."""
+    return widen(narrow(v, like))
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _exp(x):  # type: ignore[no-untyped-def]
+    """e^x for float32 x in arithmetic that LLVM vectorises (``np.exp`` is a scalar call): x = n ln 2 + r with
+    |r| <= ln(2) / 2, e^r by its degree-7 Taylor polynomial (relative error below 2^-24), 2^n from the exponent
+    bits. x is clamped to [-87, 88] (e^x stays a normal float32)."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = (x - n * np.float32(0.693145751953125)) - n * np.float32(1.4286068203094173e-06)
+    p = np.float32(1.0 / 5040.0)
+    p = p * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _sigmoid(x):  # type: ignore[no-untyped-def]
+    return np.float32(1.0) / (np.float32(1.0) + _exp(-x))
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _gelu(x, exact):  # type: ignore[no-untyped-def]
+    """GeLU of float32 x: exact (erf) or the tanh approximation (``F.gelu``'s "none" and "tanh"), the latter as
+    x sigmoid(2 z) = 0.5 x (1 + tanh z)."""
+    if exact:
+        return np.float32(0.5) * x * np.float32(math.erfc(-x * np.float32(0.7071067811865476)))  # 1 + erf(z)
+    z = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
+    return x * _sigmoid(np.float32(2.0) * z)
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _normalise(r, scale, eps, out):  # type: ignore[no-untyped-def]
+    """out = r / sqrt(mean(r^2) + eps) * (1 + scale) for one row r (D,), as stored."""
+    D = r.shape[0]
+    ss = np.float32(0.0)
+    for d in range(D):
+        v = widen(r[d])
+        ss += v * v
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+    like = out.dtype.type(0)
+    for d in range(D):
+        out[d] = narrow(widen(r[d]) * inv * (np.float32(1.0) + widen(scale[d])), like)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _rms_norm_kernel(x, scale, eps, out):  # type: ignore[no-untyped-def]
+    """RMSNorm of each row of x (B, D) into out."""
+    for b in range(x.shape[0]):
+        _normalise(x[b], scale, eps, out[b])
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _add_rms_norm_kernel(x, delta, scale, eps, residual, out):  # type: ignore[no-untyped-def]
+    """Per row: residual = x + delta (stored in residual's dtype), out = RMSNorm(residual)."""
+    B, D = x.shape
+    like = residual.dtype.type(0)
+    for b in range(B):
+        for d in range(D):
+            residual[b, d] = narrow(widen(x[b, d]) + widen(delta[b, d]), like)
+        _normalise(residual[b], scale, eps, out[b])
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _gelu_rows(x, col, exact, out):  # type: ignore[no-untyped-def]
+    """out (B, n) = GeLU(x[:, col : col + n]), x first rounded to out's dtype (a layer's output) and the GeLU too."""
+    like = out.dtype.type(0)  # out's dtype, for the roundings (a load from out would keep LLVM from vectorising)
+    n = out.shape[1]
+    for b in range(out.shape[0]):
+        row, out_row = x[b, col : col + n], out[b]  # (slices: LLVM sees consecutive indices)
+        if exact:  # (a branch per row, not per entry)
+            for m in range(n):
+                out_row[m] = narrow(_gelu(_rounded(widen(row[m]), like), True), like)
+        else:
+            for m in range(n):
+                out_row[m] = narrow(_gelu(_rounded(widen(row[m]), like), False), like)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
+    """out (B, M) = GeLU(gate) * up for gate_up (B, 2M) = [gate, up], both first rounded to out's dtype (the model's
+    layer outputs), the GeLU too."""
+    _gelu_rows(gate_up, 0, exact, out)
+    like = out.dtype.type(0)
+    M = out.shape[1]
+    for b in range(out.shape[0]):
+        up, out_row = gate_up[b, M:], out[b]
+        for m in range(M):
+            out_row[m] = narrow(widen(out_row[m]) * _rounded(widen(up[m]), like), like)
+
+
+@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """One token of the recurrent block between its projections (Figure 2c), for y_u (B, 2R) = [y, u] the rows of its
+    two branches: the Conv1D step on u (``conv_state`` (B, K-1, R) holds the previous inputs and is shifted by one),
+    the block-diagonal gates on its output, the RG-LRU step on ``h`` (B, R) float32 (in place), and out (B, R) =
+    RG-LRU output * GeLU(y). A task per gate block: a block's channels need nothing of the others."""
+    B, R = h.shape
+    K = conv_w.shape[0]
+    H, Din, Dout = gx_w.shape
+    like = out.dtype.type(0)  # the model's dtype, for the roundings
+    for blk in prange(H):
+        lo = blk * Din
+        xs = np.empty((B, Din), np.float32)
+        gx = np.empty((B, Dout), np.float32)
+        ga = np.empty((B, Dout), np.float32)
+        gelu_y = np.empty((B, Dout), out.dtype)
+        wx = np.empty(Dout, np.float32)  # a row of each gate's matrix, widened once for all rows
+        wa = np.empty(Dout, np.float32)
+        _gelu_rows(y_u, lo, exact, gelu_y)
+        for b in range(B):  # the Conv1D on the block's channels, channels innermost (row slices: LLVM vectorises)
+            x_row, u_row, hi = xs[b], y_u[b, R + lo : R + lo + Din], lo + Din
+            last, bias = conv_w[K - 1, lo:hi], conv_b[lo:hi]
+            for i in range(Din):  # the model's order and roundings: (u w[K-1] + b), then + x_{t-s} w[K-1-s]
+                x_row[i] = _rounded(_rounded(_rounded(widen(u_row[i]), like) * widen(last[i]), like)
+                                    + widen(bias[i]), like)
+            for j in range(K - 2, -1, -1):  # s = K-1-j = 1, ..., K-1
+                past, w_j = conv_state[b, j, lo:hi], conv_w[j, lo:hi]
+                for i in range(Din):
+                    x_row[i] = _rounded(x_row[i] + _rounded(widen(past[i]) * widen(w_j[i]), like), like)
+            for j in range(K - 2):  # the state shifts by one input
+                past, newer = conv_state[b, j, lo:hi], conv_state[b, j + 1, lo:hi]
+                for i in range(Din):
+                    past[i] = newer[i]
+            if K > 1:
+                past = conv_state[b, K - 2, lo:hi]
+                for i in range(Din):
+                    past[i] = narrow(widen(u_row[i]), like)
+            gx_row, ga_row = gx[b], ga[b]
+            for o in range(Dout):
+                gx_row[o] = widen(gx_b[blk, o])
+                ga_row[o] = widen(ga_b[blk, o])
+        for i in range(Din):  # the gates: each row of this block's (Din, Dout) matrices read once for all rows
+            for o in range(Dout):
+                wx[o] = widen(gx_w[blk, i, o])
+                wa[o] = widen(ga_w[blk, i, o])
+            for b in range(B):
+                xi, gx_row, ga_row = xs[b, i], gx[b], ga[b]
+                for o in range(Dout):
+                    gx_row[o] += xi * wx[o]
+                    ga_row[o] += xi * wa[o]
+        for b in range(B):  # the RG-LRU step (Section 2.4) and the product with the GeLU branch
+            h_row, out_row, scale_row = h[b, lo : lo + Dout], out[b, lo : lo + Dout], log_a_scale[lo : lo + Dout]
+            gx_row, ga_row, x_row, y_row = gx[b], ga[b], xs[b], gelu_y[b]  # (slices: LLVM sees consecutive indices)
+            for o in range(Dout):
+                log_a = scale_row[o] * _sigmoid(_rounded(ga_row[o], like))
+                a = _exp(log_a)
+                multiplier = np.sqrt(np.float32(1.0) - a * a)
+                state = a * h_row[o] + multiplier * (_sigmoid(_rounded(gx_row[o], like)) * x_row[o])
+                h_row[o] = state
+                out_row[o] = narrow(_rounded(state, like) * widen(y_row[o]), like)
+
+
+def storage(t: Tensor) -> np.ndarray:
+    """The numpy view the kernels read and write (no copy): bfloat16 as its uint16 bits, float32 as it is."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _check_dtype(name: str, t: Tensor) -> None:
+    if t.dtype not in STEP_DTYPES or t.device.type != "cpu":
+        raise ValueError(f"decode_step: {name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+
+
+@dataclass
+class RecurrentWeights:
+    """A recurrent block's weights as :func:`recurrent_step` reads them, prepared once (views, no copies): the Conv1D's
+    w (K, R) and b (R,), the RG-LRU gates' block-diagonal w (H, R/H, R/H) and b (H, R/H), and log_a_scale =
+    -c softplus(Lambda) (R,) float32, so that log a_t = log_a_scale * r_t (Section 2.4)."""
+
+    conv_w: np.ndarray
+    conv_b: np.ndarray
+    gate_x_w: np.ndarray
+    gate_x_b: np.ndarray
+    gate_a_w: np.ndarray
+    gate_a_b: np.ndarray
+    log_a_scale: np.ndarray
+    width: int
+
+    @classmethod
+    def prepare(cls, conv_w: Tensor, conv_b: Tensor, gate_x: tuple[Tensor, Tensor], gate_a: tuple[Tensor, Tensor],
+                a_param: Tensor, c: float) -> RecurrentWeights:
+        K, R = conv_w.shape
+        tensors = {"conv_w": conv_w, "conv_b": conv_b, "gate_x_w": gate_x[0], "gate_x_b": gate_x[1],
+                   "gate_a_w": gate_a[0], "gate_a_b": gate_a[1]}
+        for name, t in tensors.items():
+            _check_dtype(name, t)
+            if not t.is_contiguous():
+                raise ValueError(f"recurrent_step: {name} must be contiguous")
+        H = gate_x[0].shape[0]
+        if (conv_b.shape != (R,) or H * (R // H) != R or gate_x[0].shape != (H, R // H, R // H)
+                or gate_a[0].shape != gate_x[0].shape or gate_x[1].shape != (H, R // H)
+                or gate_a[1].shape != gate_x[1].shape or a_param.shape != (R,)):
+            raise ValueError(f"recurrent_step: the weights do not fit width {R}: conv_b {tuple(conv_b.shape)}, gates "
+                             f"{tuple(gate_x[0].shape)} / {tuple(gate_a[0].shape)} (need (H, {R}/H, {R}/H)), "
+                             f"biases {tuple(gate_x[1].shape)} / {tuple(gate_a[1].shape)}, a_param "
+                             f"{tuple(a_param.shape)}")
+        log_a_scale = (-c * torch.nn.functional.softplus(a_param.detach().float())).contiguous()
+        return cls(*(storage(t.detach()) for t in tensors.values()), log_a_scale.numpy(), R)
+
+
+def rms_norm_step(x: Tensor, scale: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """RMSNorm (:class:`griffin.layers.RMSNorm`) of rows x (B, D), or of x + delta (the residual add before it):
+    returns (x + delta, or x itself; the normalised rows), in x's dtype."""
+    for name, t in (("x", x), ("scale", scale)) + ((("delta", delta),) if delta is not None else ()):
+        _check_dtype(name, t)
+    if x.dim() != 2 or scale.shape != x.shape[1:] or (delta is not None and delta.shape != x.shape):
+        raise ValueError(f"rms_norm_step: x (B, D), scale (D,) and delta like x, got {tuple(x.shape)}, "
+                         f"{tuple(scale.shape)}, {None if delta is None else tuple(delta.shape)}")
+    out = torch.empty_like(x)
+    if delta is None:
+        _rms_norm_kernel(storage(x), storage(scale.detach()), float(eps), storage(out))
+        return x, out
+    residual = torch.empty_like(x)
+    _add_rms_norm_kernel(storage(x), storage(delta), storage(scale.detach()), float(eps), storage(residual),
+                         storage(out))
+    return residual, out
+
+
+def gelu_product_step(gate_up: Tensor, approximation: str, dtype: torch.dtype) -> Tensor:
+    """GeLU(gate) * up (the gated MLP's, Section 2.2) for gate_up (B, 2M) = [gate, up], the rows of its two branches
+    as the matmuls give them (float32 or the model's dtype): (B, M) in ``dtype``."""
+    _check_dtype("gate_up", gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gelu_product_step: gate_up must be (B, 2M), got {tuple(gate_up.shape)}")
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=dtype)
+    _gelu_product_kernel(storage(gate_up.contiguous()), _exact(approximation), storage(out))
+    return out
+
+
+def recurrent_step(y_u: Tensor, conv_state: Tensor, h: Tensor, weights: RecurrentWeights, approximation: str,
+                   dtype: torch.dtype) -> Tensor:
+    """The recurrent block between its projections for one token per row (:func:`_recurrent_kernel`): y_u (B, 2R) =
+    [y, u] the two branches' projections, ``conv_state`` (B, K-1, R) (in ``dtype``, the model's) and ``h`` (B, R)
+    float32 the block's cache, updated in place. Returns the input of the output projection (B, R) in ``dtype``."""
+    B = y_u.shape[0]
+    R = weights.width
+    _check_dtype("y_u", y_u)
+    if y_u.shape != (B, 2 * R) or conv_state.shape != (B, weights.conv_w.shape[0] - 1, R) or h.shape != (B, R):
+        raise ValueError(f"recurrent_step: for width {R}, y_u must be (B, {2 * R}), conv_state (B, "
+                         f"{weights.conv_w.shape[0] - 1}, {R}) and h (B, {R}), got {tuple(y_u.shape)}, "
+                         f"{tuple(conv_state.shape)}, {tuple(h.shape)}")
+    if h.dtype != torch.float32 or conv_state.dtype != dtype:
+        raise ValueError(f"recurrent_step: h must be float32 and conv_state {dtype}, got {h.dtype}, {conv_state.dtype}")
+    out = torch.empty(B, R, dtype=dtype)
+    _recurrent_kernel(storage(y_u.contiguous()), storage(conv_state), weights.conv_w, weights.conv_b, weights.gate_x_w,
+                      weights.gate_x_b, weights.gate_a_w, weights.gate_a_b, weights.log_a_scale, h.numpy(),
+                      _exact(approximation), storage(out))
+    return out
+
+
+def _exact(approximation: str) -> bool:
+    if approximation not in ("none", "tanh"):
+        raise ValueError(f"decode_step: GeLU approximation must be 'none' or 'tanh', got {approximation!r}")
+    return approximation == "none"

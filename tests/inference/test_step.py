@@ -1,0 +1,121 @@
+"""The fused decode step (griffin.inference.step): each residual block of the CPU decode copy runs its element-wise
+work through griffin.ops.decode_step, and equals the same copy without the fusion; every other input goes through
+the block as it is (Section 5)."""
+
+import copy
+
+import pytest
+import torch
+
+from griffin import CausalLM, Decoder, ModelConfig, prefill
+from griffin.inference.generate import decode_model
+from griffin.inference.matvec import matvec_swapped
+from griffin.inference.prepack import prepacked
+from griffin.inference.step import FusedResidualBlock, fused_step_swapped
+from griffin.model import ResidualBlock
+from griffin.quantize import quantize_int8
+from tests.conftest import perturb_, seed_torch
+
+FAMILIES = ["mqa", "hawk", "griffin"]
+
+
+def tiny(family, gen, dtype=torch.float32, **kw):
+    seed_torch(gen)
+    model = CausalLM(ModelConfig.from_preset(f"{family}-tiny", **kw)).eval()
+    perturb_(model, gen)
+    return model.to(dtype)
+
+
+def unfused_copy(model, batch):
+    """The decode copy without the fusion: the matvec kernel at one row and for int8, oneDNN otherwise."""
+    if batch == 1 or any(isinstance(m, torch.nn.Module) and "Int8" in type(m).__name__ for m in model.modules()):
+        return matvec_swapped(model, int8pack=False)
+    return prepacked(model, batch)
+
+
+@torch.no_grad()
+def steps_of(model, prompts, tokens):
+    _, cache = prefill(model, prompts, max_length=prompts.shape[1] + len(tokens) + 1)
+    decoder = Decoder(model, cache)
+    return torch.stack([decoder(t) for t in tokens]).float(), cache
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_step_equals_the_unfused_copy(gen, family, dtype, batch):
+    """Logits and caches over 6 steps. float32: to float32 rounding. bfloat16 (and int8 weights with bfloat16
+    activations): the kernels round where the model rounds, so most steps are bit for bit; an element that rounds
+    the other way (the gates' sums in another order) is carried by the later layers, so the logits stay within 2% of
+    their range (over 40 seeds per family the largest gap was 0.9%; a wrong gate or state moves them by O(1))."""
+    int8 = dtype == "int8"
+    model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
+    model = quantize_int8(model) if int8 else model
+    prompts = torch.randint(0, 32, (batch, 5), generator=gen)
+    tokens = list(torch.randint(0, 32, (6, batch), generator=gen))
+    fused = decode_model(model, batch)
+    assert all(isinstance(b, FusedResidualBlock) for b in fused.blocks)
+    got, got_cache = steps_of(fused, prompts, tokens)
+    want, want_cache = steps_of(unfused_copy(model, batch), prompts, tokens)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= tol * scale
+    for name, t in want_cache.tensors().items():
+        torch.testing.assert_close(got_cache.tensors()[name].float(), t.float(), rtol=tol, atol=tol * scale, msg=name)
+
+
+def test_the_swap_shares_the_blocks_modules(gen):
+    model = tiny("griffin", gen)
+    fast = decode_model(model, 1)
+    for block, original in zip(fast.blocks, model.blocks, strict=True):
+        assert isinstance(block, FusedResidualBlock) and isinstance(original, ResidualBlock)  # the model is untouched
+        assert block.channel_pre_norm.scale is original.channel_pre_norm.scale
+    unfused = matvec_swapped(model)
+    assert fused_step_swapped(copy.deepcopy(unfused)).state_dict().keys() == unfused.state_dict().keys()  # names
+    assert fast.blocks[0].weights is not None and fast.blocks[2].weights is None  # recurrent / local attention
+    assert decode_model(fast, 1) is fast  # already a decode copy
+
+
+@pytest.mark.parametrize("variant", ["complex_lru", "float64"])
+@torch.no_grad()
+def test_blocks_the_kernels_cannot_read_go_through_the_block(gen, variant):
+    """The CG-LRU (Appendix B): its recurrent block runs as it is, the norms and MLP are still fused. A float64 model:
+    every block runs as it is."""
+    if variant == "complex_lru":
+        model = tiny("hawk", gen, complex_lru=True)
+    else:
+        model = tiny("hawk", gen, torch.float64)
+    fast = decode_model(model, 1)
+    assert all(isinstance(b, FusedResidualBlock) and b.weights is None for b in fast.blocks)
+    assert all(b.fusable == (variant != "float64") for b in fast.blocks)
+    prompts = torch.randint(0, 32, (1, 5), generator=gen)
+    tokens = list(torch.randint(0, 32, (4, 1), generator=gen))
+    got, _ = steps_of(fast, prompts, tokens)
+    want, _ = steps_of(unfused_copy(model, 1), prompts, tokens)
+    assert (got - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+@torch.no_grad()
+def test_other_inputs_go_through_the_block_as_it_is(gen):
+    """A prompt, a document start inside a chunk, a cache-less forward: the fused copy computes exactly what the
+    unfused one does (same modules, same kernels)."""
+    model = tiny("griffin", gen)
+    unfused = matvec_swapped(model)
+    fused = fused_step_swapped(matvec_swapped(model))
+    ids = torch.randint(0, 32, (2, 7), generator=gen)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]])
+    assert torch.equal(fused(ids), unfused(ids))
+    caches = [m.init_cache(2, 16) for m in (fused, unfused)]
+    assert torch.equal(fused(ids, positions, cache=caches[0]), unfused(ids, positions, cache=caches[1]))
+    one = ids[:, :1]  # a first token: a document start, which the fused step leaves to the block
+    caches = [m.init_cache(2, 16) for m in (fused, unfused)]
+    assert torch.equal(fused(one, cache=caches[0]), unfused(one, cache=caches[1]))
+
+
+def test_autograd_goes_through_the_block(gen):
+    """With autograd on, a one-token step with a cache runs the block itself (the kernels keep no graph)."""
+    model = tiny("hawk", gen)
+    fused, unfused = fused_step_swapped(copy.deepcopy(model)), copy.deepcopy(model)
+    caches = [prefill(m, [[1, 2, 3]], max_length=8)[1] for m in (fused, unfused)]
+    got, want = (m(torch.tensor([[4]]), cache=c) for m, c in zip((fused, unfused), caches, strict=True))
+    assert got.requires_grad and torch.equal(got, want)

@@ -1,0 +1,176 @@
+"""The fused element-wise kernels of a CPU decode step (griffin.ops.decode_step) against their references, the model's
+own layers at one token per row (Section 5): RMSNorm with the residual add before it, the gated MLP's GeLU product,
+and the recurrent block between its two projections (Conv1D step, block-diagonal gates, RG-LRU step, GeLU branch)."""
+
+import math
+
+import numba
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from griffin import ModelConfig
+from griffin.layers import Context, RecurrentBlock, RMSNorm
+from griffin.layers.recurrent_block import RecurrentState
+from griffin.ops.decode_step import (
+    RecurrentWeights,
+    _exp,
+    gelu_product_step,
+    narrow,
+    recurrent_step,
+    rms_norm_step,
+    storage,
+)
+from tests.conftest import perturb_, seed_torch
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ulps(dtype: torch.dtype) -> dict:
+    """assert_close tolerances: float32 rounding (sums in another order), or one bfloat16 rounding of the result."""
+    return dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-12)
+
+
+@numba.njit
+def _narrow_all(x, out):
+    for i in range(x.shape[0]):
+        out[i] = narrow(x[i], out[i])
+
+
+@numba.njit
+def _exp_all(x, out):
+    for i in range(x.shape[0]):
+        out[i] = _exp(x[i])
+
+
+def test_bfloat16_rounding_is_torchs(gen):
+    """float32 -> bfloat16 in the kernels rounds as ``Tensor.to`` does: to nearest, ties to even, overflow to inf, NaN
+    kept, on random values of every magnitude and on the ties and edges."""
+    bits = torch.randint(0, 2**32, (100_000,), generator=gen, dtype=torch.int64)
+    edges = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
+                          0x7FC00001, 0x00008000, 0x80018000, 0x7F7F8000], dtype=torch.int64)
+    x = torch.cat([bits, edges]).to(torch.int32).view(torch.float32)
+    out = np.empty(x.shape[0], np.uint16)
+    _narrow_all(x.numpy(), out)
+    got, want = torch.from_numpy(out).view(torch.bfloat16), x.to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+def test_exp_is_float32_accurate():
+    """The vectorised e^x: within 2^-22 of float64's over [-87, 88] (float32's own rounding is 2^-24)."""
+    x = torch.linspace(-87, 88, 200_001, dtype=torch.float32)
+    out = np.empty(x.shape[0], np.float32)
+    _exp_all(x.numpy(), out)
+    rel = (torch.from_numpy(out).double() - x.double().exp()).abs() / x.double().exp()
+    assert rel.max() < 2**-22
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 37), (3, 64), (8, 5)])
+def test_rms_norm_step_equals_the_layer(gen, dtype, rows, width):
+    norm = RMSNorm(width).to(dtype)
+    perturb_(norm, gen, scale=0.5)
+    x = torch.randn(rows, width, generator=gen).to(dtype) * 3
+    delta = torch.randn(rows, width, generator=gen).to(dtype)
+    same, normed = rms_norm_step(x, norm.scale, norm.eps)
+    assert same is x
+    torch.testing.assert_close(normed, norm(x), **ulps(dtype))
+    residual, normed = rms_norm_step(x, norm.scale, norm.eps, delta=delta)
+    assert torch.equal(residual, x + delta)  # one rounding of the sum, as the model's add
+    torch.testing.assert_close(normed, norm(x + delta), **ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximation", ["tanh", "none"])
+@pytest.mark.parametrize("rows,width", [(1, 7), (5, 48)])
+def test_gelu_product_step_equals_the_mlp(gen, dtype, approximation, rows, width):
+    """From the matmuls' float32 outputs (the matvec kernel's) or from outputs already in the model's dtype. bfloat16:
+    the layer's GeLU and product to one rounding; float32: within float32 rounding of the float64 GeLU (closer than
+    PyTorch's own float32 GeLU, whose erf loses digits where 1 + erf(z) cancels)."""
+    gate_up = torch.randn(rows, 2 * width, generator=gen) * 4
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    for given in (gate_up, gate_up.to(dtype)):
+        got = gelu_product_step(given, approximation, dtype)
+        assert got.dtype == dtype
+        if dtype == torch.float32:
+            want = F.gelu(gate.double(), approximate=approximation) * up.double()
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * float(up.abs().max()))
+        else:
+            want = F.gelu(gate.to(dtype), approximate=approximation) * up.to(dtype)
+            torch.testing.assert_close(got, want, **ulps(dtype))
+
+
+def recurrent_case(gen, dtype, rows, width, blocks, conv_width):
+    """A perturbed recurrent block, a (rows, 1, D) input and a random cache (a Conv1D history and an RG-LRU state)."""
+    seed_torch(gen)
+    config = ModelConfig.from_preset("hawk-tiny", width=13, head_dim=8, rnn_width=width, gate_blocks=blocks,
+                                     conv1d_width=conv_width)
+    block = RecurrentBlock(config).eval()
+    perturb_(block, gen, scale=0.3)
+    block = block.to(dtype)
+    x = torch.randn(rows, 1, 13, generator=gen).to(dtype)
+    state = RecurrentState(torch.randn(rows, conv_width - 1, width, generator=gen).to(dtype),
+                           torch.randn(rows, width, generator=gen))
+    return block, x, state
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width,blocks,conv_width", [(1, 24, 4, 4), (3, 21, 3, 2), (8, 40, 2, 1), (2, 12, 1, 5)])
+def test_recurrent_step_equals_the_block(gen, dtype, rows, width, blocks, conv_width):
+    """The block's output and its cache after one token: the Conv1D history shifted bit for bit, the RG-LRU state
+    within float32 rounding, the output within one rounding of its dtype (the kernel computes the gates' sums in
+    another order, and e^x and the sigmoid in its own float32 arithmetic)."""
+    block, x, state = recurrent_case(gen, dtype, rows, width, blocks, conv_width)
+    ref_state = RecurrentState(state.conv.clone(), state.h.clone())
+    want = block(x, Context(torch.ones(rows, 1, dtype=torch.long)), ref_state)
+    lru = block.rg_lru
+    weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, (lru.input_gate.w, lru.input_gate.b),
+                                       (lru.a_gate.w, lru.a_gate.b), lru.a_param, lru.c)
+    y_u = torch.cat(block.in_proj(x[:, 0]), -1)
+    hidden = recurrent_step(y_u, state.conv, state.h, weights, block.config.gelu_approximation, dtype)
+    assert torch.equal(state.conv, ref_state.conv)
+    torch.testing.assert_close(state.h, ref_state.h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(block.linear_out(hidden), want[:, 0], **ulps(dtype))
+
+
+@torch.no_grad()
+def test_recurrent_step_reads_float32_projections(gen):
+    """The matvec kernel's float32 outputs are rounded to bfloat16 first, as the model's projections are: the same
+    step as from the rounded ones."""
+    block, x, state = recurrent_case(gen, torch.bfloat16, 3, 24, 4, 4)
+    lru = block.rg_lru
+    weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, (lru.input_gate.w, lru.input_gate.b),
+                                       (lru.a_gate.w, lru.a_gate.b), lru.a_param, lru.c)
+    y_u = torch.randn(3, 48, generator=gen)
+    other = RecurrentState(state.conv.clone(), state.h.clone())
+    a = recurrent_step(y_u, state.conv, state.h, weights, "tanh", torch.bfloat16)
+    b = recurrent_step(y_u.to(torch.bfloat16), other.conv, other.h, weights, "tanh", torch.bfloat16)
+    assert torch.equal(a, b) and torch.equal(state.conv, other.conv) and torch.equal(state.h, other.h)
+
+
+def test_bad_input_is_named(gen):
+    block, x, state = recurrent_case(gen, torch.float32, 2, 24, 4, 4)
+    lru = block.rg_lru
+    gates = (lru.input_gate.w, lru.input_gate.b), (lru.a_gate.w, lru.a_gate.b)
+    weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, *gates, lru.a_param, lru.c)
+    with pytest.raises(ValueError, match="y_u must be"):
+        recurrent_step(torch.zeros(2, 47), state.conv, state.h, weights, "tanh", torch.float32)
+    with pytest.raises(ValueError, match="h must be float32"):
+        recurrent_step(torch.zeros(2, 48), state.conv, state.h.double(), weights, "tanh", torch.float32)
+    with pytest.raises(ValueError, match="approximation"):
+        recurrent_step(torch.zeros(2, 48), state.conv, state.h, weights, "erf", torch.float32)
+    with pytest.raises(ValueError, match="do not fit width 24"):
+        RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, gates[0], (lru.a_gate.w[:2], lru.a_gate.b),
+                                 lru.a_param, lru.c)
+    with pytest.raises(ValueError, match="gate_x_w must be a float32 or bfloat16"):
+        RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, (gates[0][0].double(), gates[0][1]), gates[1],
+                                 lru.a_param, lru.c)
+    with pytest.raises(ValueError, match="delta like x"):
+        rms_norm_step(torch.zeros(2, 5), torch.zeros(5), 1e-6, delta=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="gate_up must be"):
+        gelu_product_step(torch.zeros(2, 5), "tanh", torch.float32)
+    assert storage(torch.zeros(2, dtype=torch.bfloat16)).dtype == np.uint16
+    assert math.isclose(float(torch.tensor(1.0)), 1.0)
