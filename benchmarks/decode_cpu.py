@@ -18,7 +18,10 @@ and reports:
 One model is held at a time (float32, then bfloat16, then its int8 quantisation; the HF model beside the bfloat16
 one), so that a 2.7B model fits 24 GiB. A step is timed from one token to the next: after ``--warmup`` steps, the
 median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by self time per step (bfloat16 and int8,
-batch 1, the first model), the numba kernels (not aten operators) recorded under their own names.
+batch 1, the first model), the numba kernels (not aten operators) recorded under their own names. ``--unfused``
+times each griffin run again right after it without the fused element-wise kernels of the step
+(:mod:`griffin.inference.step`), side by side. ``--split`` times the weight matmuls inside a step, the same calls
+alone, and the step without them.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -43,7 +46,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as griffin sets it, but t
 import torch  # noqa: E402
 
 from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
-from griffin.inference.generate import weight_bytes
+from griffin.inference.generate import decode_model, weight_bytes
 from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear
 from griffin.inference.prepack import PackedLinear
 from griffin.quantize import quantize_int8
@@ -241,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", action="store_true",
                    help="also split bfloat16 and int8 steps at each batch on the first model: the weight matmuls "
                         "inside the step, the same calls replayed alone, the step without them")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time each griffin run without the fused element-wise kernels (decode_model(fuse=False)), "
+                        "right after it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = p.parse_args(argv)
@@ -258,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['load_average'][0]:.2f}; {openmp or 'OpenMP defaults'}")
     n = args.warmup + args.steps + 2
     hf_wanted = not args.no_hf and "bfloat16" in args.dtypes
-    runs_per_model = {name: len(args.batches) * (len(args.dtypes) + (hf_wanted and name in HF_SHAPES))
-                      for name in args.models}
+    runs_per_model = {name: len(args.batches) * (len(args.dtypes) * (1 + args.unfused)
+                                                  + (hf_wanted and name in HF_SHAPES)) for name in args.models}
     bar = progress(sum(runs_per_model.values()), "decode runs")
     rows: list[dict] = []
     bandwidths: list[dict] = []
@@ -294,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
             bandwidths.append(dict(before=f"{name} {dtype}", bytes_per_s=bw))
             for b in args.batches:
                 time_run(griffin_loop(model, prompts_of[b], n, args.compile), name, "griffin", dtype, b, wbytes)
+                if args.unfused:
+                    unfused = decode_model(model, b, fuse=False)
+                    time_run(griffin_loop(unfused, prompts_of[b], n, args.compile), name, "griffin unfused", dtype,
+                             b, wbytes)
+                    del unfused
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
                 profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
                     griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))
@@ -320,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         same = [o for o in rows if o["model"] == r["model"] and o["batch"] == r["batch"] and o["path"] == "griffin"]
         bf16 = [o for o in same if o["dtype"] == "bfloat16"]
         r["vs_bf16"] = r["tokens_per_s"] / bf16[0]["tokens_per_s"] if bf16 else float("nan")
+        fused = [o for o in rows if o["model"] == r["model"] and o["batch"] == r["batch"] and o["dtype"] == r["dtype"]
+                 and o["path"] == "griffin"]
+        r["vs_fused"] = r["tokens_per_s"] / fused[0]["tokens_per_s"] if fused else float("nan")
     wall = time.perf_counter() - started
     print(f"\nread bandwidth: best {best / 1e9:.1f} GB/s of {[round(b['bytes_per_s'] / 1e9, 1) for b in bandwidths]}; "
           f"{args.warmup} warm-up + median of {args.steps} steps; prompt {args.prompt}; "
@@ -328,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("ms/step", "step_ms", ".1f"), ("tokens/s", "tokens_per_s", ".2f"),
                        ("weight GB", "weight_gb", ".2f"), ("weight GB/s", "weight_gbps", ".1f"),
                        ("of best read GB/s", "bandwidth_fraction", ".0%"),
-                       ("of read GB/s just before", "adjacent_fraction", ".0%"), ("tokens/s vs griffin bf16", "vs_bf16",
-                                                                             ".2f")]))
+                       ("of read GB/s just before", "adjacent_fraction", ".0%"),
+                       ("tokens/s vs griffin bf16", "vs_bf16", ".2f"), ("tokens/s vs fused", "vs_fused", ".2f")]))
     goals = []
     for r in rows:
         if r["path"] == "griffin" and r["dtype"] == "bfloat16" and r["batch"] == 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from griffin import CausalLM, ModelConfig
@@ -19,10 +20,15 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     out = tmp_path / "decode.json"
     main = load_benchmark("decode_cpu").main
     assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "2", "--no-hf",
-                 "--split", "--warmup", "1", "--steps", "2", "--threads", "1", "--out", str(out)]) == 0
+                 "--split", "--unfused", "--warmup", "1", "--steps", "2", "--threads", "1", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     runs = [("bfloat16", 1), ("bfloat16", 2), ("int8", 1), ("int8", 2)]
-    assert [(r["dtype"], r["batch"]) for r in results["rows"]] == runs
+    paths = [(r["dtype"], r["batch"], r["path"]) for r in results["rows"]]
+    assert paths == [(*run, path) for run in runs for path in ("griffin", "griffin unfused")]
+    for r in results["rows"]:  # each unfused run against the fused one of its weights and batch
+        fused = [o for o in results["rows"] if o["path"] == "griffin" and (o["dtype"], o["batch"]) == (r["dtype"],
+                                                                                                      r["batch"])]
+        assert r["vs_fused"] == pytest.approx(r["tokens_per_s"] / fused[0]["tokens_per_s"])
     assert results["machine"]["openmp"]["OMP_WAIT_POLICY"] == "passive"
     # one call per weight matmul module in a step (a fused group is one; the gates run inside the fused recurrent
     # block's kernel): the matvec kernel at one row and for int8, oneDNN's prepacked matmuls for bfloat16 at two

@@ -10,7 +10,6 @@ import torch
 from griffin import CausalLM, Decoder, ModelConfig, prefill
 from griffin.inference.generate import decode_model
 from griffin.inference.matvec import matvec_swapped
-from griffin.inference.prepack import prepacked
 from griffin.inference.step import FusedResidualBlock, fused_step_swapped
 from griffin.model import ResidualBlock
 from griffin.quantize import quantize_int8
@@ -28,9 +27,7 @@ def tiny(family, gen, dtype=torch.float32, **kw):
 
 def unfused_copy(model, batch):
     """The decode copy without the fusion: the matvec kernel at one row and for int8, oneDNN otherwise."""
-    if batch == 1 or any(isinstance(m, torch.nn.Module) and "Int8" in type(m).__name__ for m in model.modules()):
-        return matvec_swapped(model, int8pack=False)
-    return prepacked(model, batch)
+    return decode_model(model, batch, fuse=False)
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@
 A batch of prompts is left-padded (padding tokens carry position -1 and are seen by nothing), processed in
 parallel in chunks so that a long prompt runs in bounded memory, then tokens are sampled one step at a time by a
 :class:`Decoder`: each step is the model's own forward pass on one token per row, with the cache updated in place;
-the decoder checks the cache once, swaps in prepacked matmuls on CPU and can ``torch.compile`` the step (CUDA graphs
-on GPU). The one host sync per step is the caller's: the sampled tokens are handed over as Python ints.
+the decoder checks the cache once, swaps in fast matmuls and fused blocks on CPU and can ``torch.compile`` the step
+(CUDA graphs on GPU). The one host sync per step is the caller's: the sampled tokens are handed over as Python ints.
 """
 
 from __future__ import annotations
@@ -197,22 +197,27 @@ def is_swapped(model: nn.Module) -> bool:
 
 
 def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
-                 matvec: bool | None = None) -> nn.Module:
+                 matvec: bool | None = None, fuse: bool = True) -> nn.Module:
     """The model a decode step of ``batch_size`` rows runs (see :class:`Decoder`): a copy sharing its tensors whose
     matmuls run through the matvec kernel (``matvec``; default on CPU: int8 models, and any model at one row, where
     its one-row path beats oneDNN's matmul; docs/performance.md "CPU decode at 1-3B") or oneDNN's prepacked weights
-    (``prepack``; default: float CPU models at several rows), or ``model`` itself. A model already swapped is
-    returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
+    (``prepack``; default: float CPU models at several rows), and (``fuse``) whose residual blocks run the element-wise
+    work of a step through fused kernels (:mod:`griffin.inference.step`); or ``model`` itself. A model already
+    swapped is returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
     if is_swapped(model):
         return model
     quantized = quantization_of(model) is not None
     if matvec is None:
         matvec = model.device.type == "cpu" and (quantized or (batch_size == 1 and not prepack))
-    if matvec:
-        return fused_step_swapped(matvec_swapped(model, int8pack=int8pack_for(batch_size)))
     if prepack is None:
-        prepack = not quantized and can_prepack(model.output_weight)
-    return fused_step_swapped(prepacked(model, batch_size)) if prepack else model
+        prepack = not matvec and not quantized and can_prepack(model.output_weight)
+    if matvec:
+        swapped = matvec_swapped(model, int8pack=int8pack_for(batch_size))
+    elif prepack:
+        swapped = prepacked(model, batch_size)
+    else:
+        return model
+    return fused_step_swapped(swapped) if fuse else swapped
 
 
 class Decoder:
@@ -229,10 +234,11 @@ class Decoder:
     reads each weight once, the layers that share an input fused into one call
     (:func:`griffin.inference.matvec.matvec_swapped`); otherwise ``prepack`` (default: on CPU) holds the weights
     laid out for oneDNN (:func:`griffin.inference.prepack.prepacked`), as large as the weights while the decoder
-    lives (pass ``prepack=False`` where memory is tight). Both equal the
-    plain path up to float32 rounding. An int8 model (:func:`griffin.quantize.quantize_int8`) decodes on CPU only.
-    ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on GPU) with static shapes: attention then
-    reads every preallocated slot, masked.
+    lives (pass ``prepack=False`` where memory is tight). In that copy the residual blocks run the rest of a step
+    through fused kernels (:mod:`griffin.inference.step`). Both equal the plain path up to float32 rounding (and
+    bfloat16's, rounded where the model rounds). An int8 model (:func:`griffin.quantize.quantize_int8`) decodes on
+    CPU only. ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on GPU) with static shapes:
+    attention then reads every preallocated slot, masked.
     """
 
     def __init__(self, model: CausalLM, cache: Cache, compile: bool = False, prepack: bool | None = None,
