@@ -65,4 +65,7 @@ def test_bfloat16_inputs_keep_the_recurrence_in_float32(gen, backend, steps):
     # to nearest), which can cost one more unit.
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     assert max_relative_error(y, truth_y) < (2**-7 if interpreted else 2**-8), backend
-    assert max_relative_error(h_last, truth_h) < 1e-5, backend
+    # The state in float32: log a_t (down to -8 softplus(3) = -24 here) rounded in float32 compounds over the steps,
+    # up to 23 * 24 * 2^-24 = 3.3e-5 (over 150 seeds: 1.4e-5 for Triton's interpreter, 8.9e-6 for torch, 3.9e-7 for
+    # the float64 CPU kernel); a_t in bfloat16 would be off by 2^-9 at once.
+    assert max_relative_error(h_last, truth_h) < 5e-5, backend

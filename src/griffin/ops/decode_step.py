@@ -25,7 +25,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.cpu import _float32_from_bits, widen
+from griffin.ops.matvec.cpu import float32_from_bits, widen
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
 
@@ -82,7 +82,7 @@ def _exp(x):  # type: ignore[no-untyped-def]
     p = p * r + np.float32(0.5)
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
-    return p * _float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+    return p * float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
