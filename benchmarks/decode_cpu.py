@@ -106,21 +106,33 @@ def hf_loop(hf: Any, prompts: torch.Tensor, n: int) -> Callable:
     return loop
 
 
+# The weight matmuls of a decode step: the method of each module type that the step calls.
+MATMULS = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedLinear: "forward",
+           Int8PackLinear: "forward"}  # (MatvecLinear.forward calls side_by_side, as the fused step does)
+
+
 def profile_steps(loop: Callable, top: int) -> list[dict]:
     """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
-    step left out); the numba kernels' calls appear as ``matvec (numba)`` and ``block-diagonal gates (numba)``, and
-    the step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
+    step left out); the numba kernels' calls appear under their own names (``matvec (numba)``, ``block-diagonal gates
+    (numba)``, and the fused step's ``RMSNorm``, ``GeLU product`` and ``recurrent block``), and the step's wall time
+    not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    labels = {MatvecLinear: "matvec (numba)", MatvecBlockDiagonal: "block-diagonal gates (numba)"}
-    forwards = {cls: cls.forward for cls in labels}
+    import griffin.inference.step as fused_step
 
-    def recorded(cls: type) -> Callable:
-        def forward(self: torch.nn.Module, x: torch.Tensor, *args: Any) -> Any:
-            with record_function(labels[cls]):
-                return forwards[cls](self, x, *args)
+    labelled = [(MatvecLinear, "side_by_side", "matvec (numba)"),
+                (MatvecBlockDiagonal, "forward", "block-diagonal gates (numba)"),
+                (fused_step, "rms_norm_step", "RMSNorm (numba)"),
+                (fused_step, "gelu_product_step", "GeLU product (numba)"),
+                (fused_step, "recurrent_step", "recurrent block (numba)")]
+    originals = [getattr(owner, name) for owner, name, _ in labelled]
 
-        return forward
+    def recorded(fn: Callable, label: str) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        return call
 
     prof, stamps = profile(activities=[ProfilerActivity.CPU]), []
 
@@ -129,13 +141,13 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
         if len(stamps) == 2:
             prof.start()
 
-    for cls in labels:
-        cls.forward = recorded(cls)
+    for (owner, name, label), fn in zip(labelled, originals, strict=True):
+        setattr(owner, name, recorded(fn, label))
     try:
         loop(on_token)
     finally:
-        for cls, forward in forwards.items():
-            cls.forward = forward
+        for (owner, name, _), fn in zip(labelled, originals, strict=True):
+            setattr(owner, name, fn)
     prof.stop()
     steps = len(stamps) - 2
     events = prof.key_averages()
@@ -152,8 +164,7 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     int8 matmuls) timed inside it; the same calls replayed back to back on the inputs they had; the step with every
     such call answered at once by the output it gave before (the step without the weights; in the fused step the
     gates run inside the recurrent block's kernel, so they count there)."""
-    methods = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedLinear: "forward",
-               Int8PackLinear: "forward"}  # what the step calls (MatvecLinear.forward calls side_by_side)
+    methods = MATMULS
     originals = {cls: getattr(cls, name) for cls, name in methods.items()}
     tokens = prompts[:, -1].clone()
 

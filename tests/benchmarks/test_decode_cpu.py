@@ -20,7 +20,8 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     out = tmp_path / "decode.json"
     main = load_benchmark("decode_cpu").main
     assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "2", "--no-hf",
-                 "--split", "--unfused", "--warmup", "1", "--steps", "2", "--threads", "1", "--out", str(out)]) == 0
+                 "--split", "--unfused", "--profile", "--warmup", "1", "--steps", "2", "--threads", "1",
+                 "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     runs = [("bfloat16", 1), ("bfloat16", 2), ("int8", 1), ("int8", 2)]
     paths = [(r["dtype"], r["batch"], r["path"]) for r in results["rows"]]
@@ -43,3 +44,6 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     for s in results["splits"]:
         assert all(s[k] > 0 for k in ("step_ms", "kernels_inside_ms", "kernels_replayed_ms", "step_without_kernels_ms"))
     assert "the same calls replayed" in capsys.readouterr().out
+    for prof in results["profiles"]:  # the numba kernels under their own names
+        ops = {o["op"] for o in prof["ops"]}
+        assert {"matvec (numba)", "recurrent block (numba)", "RMSNorm (numba)"} <= ops, ops
