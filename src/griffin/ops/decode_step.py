@@ -232,6 +232,11 @@ def _check_dtype(name: str, t: Tensor) -> None:
         raise ValueError(f"decode_step: {name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
 
 
+def _check_out_dtype(dtype: torch.dtype) -> None:
+    if dtype not in STEP_DTYPES:
+        raise ValueError(f"decode_step: the model's dtype must be float32 or bfloat16, got {dtype}")
+
+
 @dataclass
 class RecurrentWeights:
     """A recurrent block's weights as :func:`recurrent_step` reads them, prepared once (views, no copies): the Conv1D's
@@ -291,6 +296,7 @@ def gelu_product_step(gate_up: Tensor, approximation: str, dtype: torch.dtype) -
     """GeLU(gate) * up (the gated MLP's, Section 2.2) for gate_up (B, 2M) = [gate, up], the rows of its two branches
     as the matmuls give them (float32 or the model's dtype): (B, M) in ``dtype``."""
     _check_dtype("gate_up", gate_up)
+    _check_out_dtype(dtype)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gelu_product_step: gate_up must be (B, 2M), got {tuple(gate_up.shape)}")
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=dtype)
@@ -306,6 +312,7 @@ def recurrent_step(y_u: Tensor, conv_state: Tensor, h: Tensor, weights: Recurren
     B = y_u.shape[0]
     R = weights.width
     _check_dtype("y_u", y_u)
+    _check_out_dtype(dtype)
     if y_u.shape != (B, 2 * R) or conv_state.shape != (B, weights.conv_w.shape[0] - 1, R) or h.shape != (B, R):
         raise ValueError(f"recurrent_step: for width {R}, y_u must be (B, {2 * R}), conv_state (B, "
                          f"{weights.conv_w.shape[0] - 1}, {R}) and h (B, {R}), got {tuple(y_u.shape)}, "
