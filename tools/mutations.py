@@ -141,6 +141,23 @@ MUTATIONS = [
         "        if False:\n            local = sum_grad(",
         ("tests/parallel/test_parallel.py::test_tp2_and_dp_shard2_equal_one_process_float64",),
     ),
+    Mutation(
+        "decode-gates",
+        "the fused decode step's RG-LRU takes the recurrence gate where the input gate belongs",
+        "src/griffin/ops/decode_step.py",
+        "multiplier * (_sigmoid(_rounded(gx_row[o], like))",
+        "multiplier * (_sigmoid(_rounded(ga_row[o], like))",
+        ("tests/ops/test_decode_step.py::test_recurrent_step_equals_the_block",
+         "tests/inference/test_step.py::test_fused_step_equals_the_unfused_copy"),
+    ),
+    Mutation(
+        "decode-conv-state",
+        "the fused decode step does not shift the Conv1D's history: the next token sees stale inputs",
+        "src/griffin/ops/decode_step.py",
+        "                    past[i] = newer[i]",
+        "                    past[i] = past[i]",
+        ("tests/ops/test_decode_step.py::test_recurrent_step_equals_the_block",),
+    ),
 ]
 
 
