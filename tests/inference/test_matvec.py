@@ -16,9 +16,9 @@ from tests.conftest import perturb_, seed_torch
 FAMILIES = ["mqa", "hawk", "griffin"]
 
 
-def tiny(family, gen, dtype=torch.float32):
+def tiny(family, gen, dtype=torch.float32, **config):
     seed_torch(gen)
-    model = CausalLM(ModelConfig.from_preset(f"{family}-tiny")).eval()
+    model = CausalLM(ModelConfig.from_preset(f"{family}-tiny", **config)).eval()
     perturb_(model, gen)
     return model.to(dtype)
 

@@ -7,22 +7,15 @@ import copy
 import pytest
 import torch
 
-from griffin import CausalLM, Decoder, ModelConfig, prefill
+from griffin import Decoder, prefill
 from griffin.inference.generate import decode_model
 from griffin.inference.matvec import matvec_swapped
 from griffin.inference.step import FusedResidualBlock, fused_step_swapped
 from griffin.model import ResidualBlock
 from griffin.quantize import quantize_int8
-from tests.conftest import perturb_, seed_torch
+from tests.inference.test_matvec import tiny
 
 FAMILIES = ["mqa", "hawk", "griffin"]
-
-
-def tiny(family, gen, dtype=torch.float32, **kw):
-    seed_torch(gen)
-    model = CausalLM(ModelConfig.from_preset(f"{family}-tiny", **kw)).eval()
-    perturb_(model, gen)
-    return model.to(dtype)
 
 
 def unfused_copy(model, batch):

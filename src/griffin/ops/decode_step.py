@@ -7,7 +7,9 @@ model (about 150 per layer and step) cost more than their arithmetic. Each kerne
 computes for one token per row without document starts or padding (every decode step), from tensors in their stored
 dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
-before using them). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
+before using them). e^x and the sigmoid are the fused RG-LRU kernel's
+(:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a
+scalar call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
 :class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`): tests compare the kernels to them.
 """
 
@@ -25,7 +27,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.cpu import float32_from_bits, widen
+from griffin.ops.matvec.cpu import widen
+from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
 
@@ -67,37 +70,13 @@ def _rounded(v, like):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _exp(x):  # type: ignore[no-untyped-def]
-    """e^x for float32 x in arithmetic that LLVM vectorises (``np.exp`` is a scalar call): x = n ln 2 + r with
-    |r| <= ln(2) / 2, e^r by its degree-7 Taylor polynomial (relative error below 2^-24), 2^n from the exponent
-    bits. x is clamped to [-87, 88] (e^x stays a normal float32)."""
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = (x - n * np.float32(0.693145751953125)) - n * np.float32(1.4286068203094173e-06)
-    p = np.float32(1.0 / 5040.0)
-    p = p * r + np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    return p * float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
-
-
-@numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _sigmoid(x):  # type: ignore[no-untyped-def]
-    return np.float32(1.0) / (np.float32(1.0) + _exp(-x))
-
-
-@numba.njit(inline="always", fastmath=True, error_model="numpy")
 def _gelu(x, exact):  # type: ignore[no-untyped-def]
     """GeLU of float32 x: exact (erf) or the tanh approximation (``F.gelu``'s "none" and "tanh"), the latter as
     x sigmoid(2 z) = 0.5 x (1 + tanh z)."""
     if exact:
         return np.float32(0.5) * x * np.float32(math.erfc(-x * np.float32(0.7071067811865476)))  # 1 + erf(z)
     z = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
-    return x * _sigmoid(np.float32(2.0) * z)
+    return x * np.float32(sigmoid_vectorizable(np.float32(2.0) * z))
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
@@ -214,10 +193,10 @@ def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, l
             h_row, out_row, scale_row = h[b, lo : lo + Dout], out[b, lo : lo + Dout], log_a_scale[lo : lo + Dout]
             gx_row, ga_row, x_row, y_row = gx[b], ga[b], xs[b], gelu_y[b]  # (slices: LLVM sees consecutive indices)
             for o in range(Dout):
-                log_a = scale_row[o] * _sigmoid(_rounded(ga_row[o], like))
-                a = _exp(log_a)
-                multiplier = np.sqrt(np.float32(1.0) - a * a)
-                state = a * h_row[o] + multiplier * (_sigmoid(_rounded(gx_row[o], like)) * x_row[o])
+                a = exp_vectorizable(scale_row[o] * sigmoid_vectorizable(_rounded(ga_row[o], like)))  # float64
+                multiplier = math.sqrt(1.0 - a * a)
+                state = np.float32(a * h_row[o] + multiplier * (sigmoid_vectorizable(_rounded(gx_row[o], like))
+                                                                * x_row[o]))
                 h_row[o] = state
                 out_row[o] = narrow(_rounded(state, like) * widen(y_row[o]), like)
 

@@ -58,7 +58,7 @@ OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
 
 
 @intrinsic
-def float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def _float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
     """The float32 whose IEEE-754 bits are the uint32 ``bits`` (an LLVM bitcast)."""
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         return builder.bitcast(args[0], ir.FloatType())
@@ -74,7 +74,7 @@ def widen(v):  # type: ignore[no-untyped-def]
 @overload(widen, inline="always")
 def _widen(v):  # type: ignore[no-untyped-def]
     if v == types.uint16:
-        return lambda v: float32_from_bits(np.uint32(v) << np.uint32(16))
+        return lambda v: _float32_from_bits(np.uint32(v) << np.uint32(16))
     if v in (types.int8, types.float32):
         return lambda v: np.float32(v)
     raise TypingError(f"matvec: no widening for weights of type {v}")

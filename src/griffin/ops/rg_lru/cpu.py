@@ -69,7 +69,8 @@ def exp_vectorizable(z):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def _sigmoid(z):  # type: ignore[no-untyped-def]
+def sigmoid_vectorizable(z):  # type: ignore[no-untyped-def]
+    """1 / (1 + exp(-z)) through :func:`exp_vectorizable` (float64)."""
     return 1.0 / (1.0 + exp_vectorizable(-z))
 
 
@@ -89,13 +90,13 @@ def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
             xt, gxt, gat, yt = x[n, t, lo:hi], gx[n, t, lo:hi], ga[n, t, lo:hi], y[n, t, lo:hi]
             if reset[n, t]:
                 for j in range(hi - lo):
-                    s = xt[j] * _sigmoid(gxt[j])
+                    s = xt[j] * sigmoid_vectorizable(gxt[j])
                     state[j] = s
                     yt[j] = s
             else:
                 for j in range(hi - lo):
-                    a = exp_vectorizable(lmax[j] * _sigmoid(gat[j]))
-                    s = a * state[j] + math.sqrt(1.0 - a * a) * (xt[j] * _sigmoid(gxt[j]))
+                    a = exp_vectorizable(lmax[j] * sigmoid_vectorizable(gat[j]))
+                    s = a * state[j] + math.sqrt(1.0 - a * a) * (xt[j] * sigmoid_vectorizable(gxt[j]))
                     state[j] = s
                     yt[j] = s
         h_last[n, lo:hi] = state
@@ -118,7 +119,7 @@ def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, d
             dxt, dgxt, dgat = dx[n, t, lo:hi], dgx[n, t, lo:hi], dga[n, t, lo:hi]
             if reset[n, t]:  # h_t = i_t x_t: nothing flows to h_{t-1} or through a_t
                 for j in range(hi - lo):
-                    i = _sigmoid(gxt[j])
+                    i = sigmoid_vectorizable(gxt[j])
                     dh = gt[j] + carry[j]
                     dxt[j] = dh * i
                     dgxt[j] = dh * xt[j] * i * (1.0 - i)
@@ -127,8 +128,8 @@ def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, d
                 continue
             prev = h0[n, lo:hi] if t == 0 else h[n, t - 1, lo:hi]
             for j in range(hi - lo):
-                r = _sigmoid(gat[j])
-                i = _sigmoid(gxt[j])
+                r = sigmoid_vectorizable(gat[j])
+                i = sigmoid_vectorizable(gxt[j])
                 dh = gt[j] + carry[j]
                 a = exp_vectorizable(lmax[j] * r)
                 a2 = a * a
