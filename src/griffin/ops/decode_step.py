@@ -27,7 +27,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.cpu import widen
+from griffin.ops.matvec.cpu import block_product, widen
 from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
@@ -155,8 +155,7 @@ def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, l
         gx = np.empty((B, Dout), np.float32)
         ga = np.empty((B, Dout), np.float32)
         gelu_y = np.empty((B, Dout), out.dtype)
-        wx = np.empty(Dout, np.float32)  # a row of each gate's matrix, widened once for all rows
-        wa = np.empty(Dout, np.float32)
+        w_row = np.empty(Dout, np.float32)  # a row of a gate's matrix, widened once for all rows
         _gelu_rows(y_u, lo, exact, gelu_y)
         for b in range(B):  # the Conv1D on the block's channels, channels innermost (row slices: LLVM vectorises)
             x_row, u_row, hi = xs[b], y_u[b, R + lo : R + lo + Din], lo + Din
@@ -176,19 +175,8 @@ def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, l
                 past = conv_state[b, K - 2, lo:hi]
                 for i in range(Din):
                     past[i] = narrow(widen(u_row[i]), like)
-            gx_row, ga_row = gx[b], ga[b]
-            for o in range(Dout):
-                gx_row[o] = widen(gx_b[blk, o])
-                ga_row[o] = widen(ga_b[blk, o])
-        for i in range(Din):  # the gates: each row of this block's (Din, Dout) matrices read once for all rows
-            for o in range(Dout):
-                wx[o] = widen(gx_w[blk, i, o])
-                wa[o] = widen(ga_w[blk, i, o])
-            for b in range(B):
-                xi, gx_row, ga_row = xs[b, i], gx[b], ga[b]
-                for o in range(Dout):
-                    gx_row[o] += xi * wx[o]
-                    ga_row[o] += xi * wa[o]
+        block_product(xs, 0, gx_w, gx_b, blk, gx, 0, w_row)  # the gates: this block's (Din, Dout) matrices
+        block_product(xs, 0, ga_w, ga_b, blk, ga, 0, w_row)
         for b in range(B):  # the RG-LRU step (Section 2.4) and the product with the GeLU branch
             h_row, out_row, scale_row = h[b, lo : lo + Dout], out[b, lo : lo + Dout], log_a_scale[lo : lo + Dout]
             gx_row, ga_row, x_row, y_row = gx[b], ga[b], xs[b], gelu_y[b]  # (slices: LLVM sees consecutive indices)

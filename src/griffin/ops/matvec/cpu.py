@@ -346,24 +346,35 @@ def vector_sums(weight: Tensor, groups: int) -> Tensor:
     return weight.detach().reshape(n, groups, group)[..., : group - group % VECTOR].sum(-1, dtype=torch.int32)
 
 
+@numba.njit(inline="always", fastmath=True)
+def block_product(x, x0, w, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+    """Block h of a block-diagonal product for every row b: out[b, o0 + o] = bias[h, o] + sum_i x[b, x0 + i]
+    w[h, i, o], x and w as stored (float32, or bfloat16 bits), out float32, w_row a float32 scratch of Dout. Each row
+    of the block's (Din, Dout) matrix is widened once for all the rows of x and added, times their entries, to their
+    output rows (vectorised over Dout)."""
+    B = x.shape[0]
+    Din, Dout = w.shape[1], w.shape[2]
+    for b in range(B):
+        acc = out[b, o0 : o0 + Dout]
+        for o in range(Dout):
+            acc[o] = widen(bias[h, o])
+    for i in range(Din):
+        for o in range(Dout):
+            w_row[o] = widen(w[h, i, o])
+        for b in range(B):
+            xi, acc = widen(x[b, x0 + i]), out[b, o0 : o0 + Dout]
+            for o in range(Dout):
+                acc[o] += xi * w_row[o]
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True)
 def _block_diagonal_kernel(x, w, bias, out):  # type: ignore[no-untyped-def]
     """out[b, h Dout + o] = sum_i x[b, h Din + i] w[h, i, o] + bias[h, o], the RG-LRU's block-diagonal gates
     (Section 2.4): x (B, H Din) float32 (or bfloat16 bits), w (H, Din, Dout) as stored (float32 or bfloat16 bits),
-    bias (H, Dout) float32, out (B, H Dout) float32. A task per block; each row of its (Din, Dout) matrix is read in
-    its stored layout and added, times x's entry, to the block's output row (vectorised over Dout)."""
-    B = x.shape[0]
+    bias (H, Dout) float32, out (B, H Dout) float32. A task per block (:func:`block_product`)."""
     H, Din, Dout = w.shape
     for h in prange(H):
-        for b in range(B):
-            acc = out[b, h * Dout : (h + 1) * Dout]
-            for o in range(Dout):
-                acc[o] = bias[h, o]
-            for i in range(Din):
-                xi = widen(x[b, h * Din + i])
-                wi = w[h, i]
-                for o in range(Dout):
-                    acc[o] += xi * widen(wi[o])
+        block_product(x, h * Din, w, bias, h, out, h * Dout, np.empty(Dout, np.float32))
 
 
 def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
