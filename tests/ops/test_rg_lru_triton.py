@@ -29,9 +29,10 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # Per-element errors (tests.conftest.max_relative_error), so that one unwritten (row, t) slice fails (it errs by ~1):
-# bf16 outputs carry ~2^-9 relative rounding, and the gate gradients lose a few bits more to cancellation (up to 4e-2
-# seen); float32 runs see approximate exp/rcp/sqrt (a few ulp) and the same cancellation (up to 1e-4 seen).
-TOL = {torch.float32: 3e-4, torch.bfloat16: 6e-2}
+# bf16 outputs and gradients are rounded to bf16 (2^-9 relative) after float32 arithmetic on the same bf16 inputs and
+# the same bf16 dy as the reference (up to 7.2e-3 seen over 19 seeds of every case); float32 runs see approximate
+# exp/rcp/sqrt (a few ulp) and cancellation in the gate gradients (up to 1.1e-4 seen).
+TOL = {torch.float32: 3e-4, torch.bfloat16: 2e-2}
 
 
 def _inputs(gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtype, h0: bool, reset: str):
@@ -61,7 +62,9 @@ def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: in
     dy = torch.randn(y_ref.shape, generator=gen).to(DEVICE, torch.float64)
     dh = torch.randn(h_ref.shape, generator=gen).to(DEVICE, torch.float64)
     ((y.double() * dy).sum() + (h_last.double() * dh).sum()).backward()
-    ((y_ref * dy).sum() + (h_ref * dh).sum()).backward()
+    # the kernel is handed dy rounded to y's dtype: the reference gets the same, or bf16's rounding of dy, summed over
+    # up to 1 / (1 - a) steps with cancellation, would count against the kernel
+    ((y_ref * dy.to(dtype).double()).sum() + (h_ref * dh.float().double()).sum()).backward()
 
     tol = TOL[dtype]
     names = ["x", "gate_x", "gate_a", "a_param", "h0"]
