@@ -151,6 +151,15 @@ MUTATIONS = [
          "tests/inference/test_step.py::test_fused_step_equals_the_unfused_copy"),
     ),
     Mutation(
+        "decode-attention-documents",
+        "the fused decode step's attention sees every slot of the cache, the other documents' keys too",
+        "src/griffin/ops/decode_step.py",
+        "            seen[s] = s <= last and seg_cache[b, s] == segments[b]",
+        "            seen[s] = s <= last",
+        ("tests/ops/test_decode_step.py::test_attention_step_equals_the_layer",
+         "tests/inference/test_step.py::test_fused_step_equals_the_unfused_copy"),
+    ),
+    Mutation(
         "decode-conv-state",
         "the fused decode step does not shift the Conv1D's history: the next token sees stale inputs",
         "src/griffin/ops/decode_step.py",

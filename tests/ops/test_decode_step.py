@@ -1,6 +1,9 @@
 """The fused element-wise kernels of a CPU decode step (griffin.ops.decode_step) against their references, the model's
 own layers at one token per row (Section 5): RMSNorm with the residual add before it, the gated MLP's GeLU product,
-and the recurrent block between its two projections (Conv1D step, block-diagonal gates, RG-LRU step, GeLU branch)."""
+the recurrent block between its two projections (Conv1D step, block-diagonal gates, RG-LRU step, GeLU branch), and
+multi-query attention between its projections (RoPE, the cache write, the attention over the cache)."""
+
+import copy
 
 import numba
 import numpy as np
@@ -9,10 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from griffin import ModelConfig
-from griffin.layers import Context, RecurrentBlock, RMSNorm
+from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, RMSNorm
 from griffin.layers.recurrent_block import RecurrentState
+from griffin.layers.rope import rope_angles
 from griffin.ops.decode_step import (
     RecurrentWeights,
+    attention_step,
     gelu_product_step,
     narrow,
     recurrent_step,
@@ -132,6 +137,76 @@ def test_recurrent_step_reads_float32_projections(gen):
     assert torch.equal(a, b) and torch.equal(state.conv, other.conv) and torch.equal(state.h, other.h)
 
 
+def attention_case(gen, dtype, rows, heads, kv_heads, head_dim, window, rope_fraction):
+    """A perturbed attention layer (local with ``window``, global if None) and its cache after a prompt of 7 tokens
+    per row, two documents in row 0 (its cache holds slots of the first, which the next tokens must not see)."""
+    seed_torch(gen)
+    config = ModelConfig.from_preset("griffin-tiny", width=24, num_heads=heads, num_kv_heads=kv_heads,
+                                     head_dim=head_dim, attention_window=window or 8, rope_fraction=rope_fraction)
+    layer = MultiQueryAttention(config, local=window is not None).eval()
+    perturb_(layer, gen, scale=0.3)
+    layer = layer.to(dtype)
+    cache = layer.init_cache(rows, 12, dtype, "cpu")
+    segments = torch.zeros(rows, 7, dtype=torch.long)
+    segments[0, 3:] = 1
+    positions = torch.arange(7).repeat(rows, 1)
+    positions[0, 3:] -= 3
+    prompt = torch.randn(rows, 7, 24, generator=gen).to(dtype)
+    layer(prompt, Context(positions, segments=segments, rope=rope_angles(positions, config.rope_dim, 1e4)), cache)
+    return layer, cache, positions[:, -1:], segments[:, -1:]
+
+
+ATTENTION = [(1, 4, 1, 8, 4, 0.5), (3, 6, 2, 16, 5, 1.0), (2, 3, 3, 8, None, 0.5), (2, 4, 1, 12, None, 0.0)]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim,window,rope_fraction", ATTENTION)
+def test_attention_step_equals_the_layer(gen, dtype, rows, heads, kv_heads, head_dim, window, rope_fraction):
+    """Three tokens per row after the prompt (a local ring wraps): the cache written as the layer writes it (keys
+    with RoPE bit for bit in bfloat16), the output within one rounding of its dtype (the kernel's sums run in
+    another order)."""
+    layer, cache, position, segment = attention_case(gen, dtype, rows, heads, kv_heads, head_dim, window,
+                                                     rope_fraction)
+    ref = copy.deepcopy(cache)
+    for _ in range(3):
+        position = position + 1
+        rope = rope_angles(position, layer.config.rope_dim, 1e4) if rope_fraction else None
+        x = torch.randn(rows, 1, 24, generator=gen).to(dtype)
+        want = layer(x, Context(position, segments=segment, rope=rope), ref)[:, 0]
+        qkv = torch.cat(layer.qkv(x[:, 0]), -1)
+        hidden = attention_step(qkv, rope, cache.k, cache.v, cache.segment, cache.count, segment, window is not None,
+                                cache.k.shape[1], head_dim**-0.5, dtype)
+        torch.testing.assert_close(layer.proj_final(hidden), want, **ulps(dtype))
+        assert torch.equal(cache.segment, ref.segment) and torch.equal(cache.count, ref.count)
+        for got, expected in ((cache.k, ref.k), (cache.v, ref.v)):
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, expected)
+            else:
+                torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    assert (cache.segment[0] == 0).any() if window is None else True  # the first document is still in the cache
+
+
+@torch.no_grad()
+def test_attention_step_reads_only_the_slots_given(gen):
+    """A global cache read up to ``slots`` (the model's cache_len): slots past it are not read, even if they hold
+    keys of the document; a full global cache is a named error."""
+    layer, cache, position, segment = attention_case(gen, torch.float32, 2, 4, 1, 8, None, 0.5)
+    rope = rope_angles(position + 1, layer.config.rope_dim, 1e4)
+    x = torch.randn(2, 24, generator=gen)
+    qkv = torch.cat(layer.qkv(x), -1)
+    poisoned = copy.deepcopy(cache)
+    poisoned.k[:, 9:] = float("nan")  # past the 8 slots read (7 written + this token)
+    poisoned.segment[:, 9:] = segment
+    args = (False, 8, 8**-0.5, torch.float32)
+    a = attention_step(qkv, rope, cache.k, cache.v, cache.segment, cache.count, segment, *args)
+    b = attention_step(qkv, rope, poisoned.k, poisoned.v, poisoned.segment, poisoned.count, segment, *args)
+    assert torch.equal(a, b)
+    cache.count.fill_(12)
+    with pytest.raises(ValueError, match="cache is full"):
+        attention_step(qkv, rope, cache.k, cache.v, cache.segment, cache.count, segment, *args)
+
+
 def test_bad_input_is_named(gen):
     block, x, state = recurrent_case(gen, torch.float32, 2, 24, 4, 4)
     lru = block.rg_lru
@@ -157,3 +232,11 @@ def test_bad_input_is_named(gen):
         recurrent_step(torch.zeros(2, 48), state.conv.double(), state.h, weights, "tanh", torch.float64)
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16, got torch.float16"):
         gelu_product_step(torch.zeros(2, 6), "tanh", torch.float16)
+    k, seg, count = torch.zeros(2, 5, 1, 8), torch.full((2, 5), EMPTY), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"qkv must be \(B, \(H \+ 2 H_kv\) d\)"):
+        attention_step(torch.zeros(2, 30), None, k, k.clone(), seg, count, seg[:, :1], True, 5, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="caches must be contiguous torch.float32"):
+        attention_step(torch.zeros(2, 32), None, k.bfloat16(), k.clone(), seg, count, seg[:, :1], True, 5, 1.0,
+                       torch.float32)
+    with pytest.raises(ValueError, match="0 < slots <= S"):
+        attention_step(torch.zeros(2, 32), None, k, k.clone(), seg, count, seg[:, :1], True, 6, 1.0, torch.float32)

@@ -17,12 +17,20 @@ import torch
 from torch import Tensor, nn
 
 from griffin.inference.matvec import MatvecLinear
-from griffin.layers import RecurrentBlock
+from griffin.layers import MultiQueryAttention, RecurrentBlock
+from griffin.layers.attention import KVCache
 from griffin.layers.context import Context
 from griffin.layers.recurrent_block import RecurrentState
 from griffin.layers.rg_lru import RGLRU
 from griffin.model import ResidualBlock
-from griffin.ops.decode_step import STEP_DTYPES, RecurrentWeights, gelu_product_step, recurrent_step, rms_norm_step
+from griffin.ops.decode_step import (
+    STEP_DTYPES,
+    RecurrentWeights,
+    attention_step,
+    gelu_product_step,
+    recurrent_step,
+    rms_norm_step,
+)
 
 
 def _gate(gate: nn.Module) -> tuple[Tensor, Tensor] | None:
@@ -78,6 +86,9 @@ class FusedResidualBlock(nn.Module):
         _, normed = rms_norm_step(rows, self.temporal_pre_norm.scale, self.temporal_pre_norm.eps)
         if self.weights is not None:
             mixed = self._recurrent(normed, cache)
+        elif (isinstance(self.temporal_block, MultiQueryAttention) and isinstance(cache, KVCache)
+              and cache.k.dtype == x.dtype and ctx.segments is not None):
+            mixed = self._attention(normed, ctx, cache)
         else:
             mixed = self.temporal_block(normed[:, None], ctx, cache)[:, 0]
         residual, normed = rms_norm_step(rows, self.channel_pre_norm.scale, self.channel_pre_norm.eps, delta=mixed)
@@ -91,6 +102,15 @@ class FusedResidualBlock(nn.Module):
         hidden = recurrent_step(_side_by_side(block.in_proj, x), cache.conv, cache.h, self.weights,
                                 block.config.gelu_approximation, x.dtype)
         return block.linear_out(hidden)
+
+    def _attention(self, x: Tensor, ctx: Context, cache: KVCache) -> Tensor:
+        """Multi-query attention (Section 2.3) for rows x (B, D), its cache updated in place."""
+        block = self.temporal_block
+        S = cache.k.shape[1]
+        slots = S if block.local or ctx.cache_len is None else min(ctx.cache_len, S)
+        hidden = attention_step(_side_by_side(block.qkv, x), ctx.rope, cache.k, cache.v, cache.segment, cache.count,
+                                ctx.segments, block.local, slots, block.head_dim**-0.5, x.dtype)
+        return block.proj_final(hidden)
 
 
 def fused_step_swapped(model: nn.Module) -> nn.Module:

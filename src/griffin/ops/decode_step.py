@@ -204,6 +204,99 @@ def _check_out_dtype(dtype: torch.dtype) -> None:
         raise ValueError(f"decode_step: the model's dtype must be float32 or bfloat16, got {dtype}")
 
 
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _rotated(row, base, cos, sin, like, out):  # type: ignore[no-untyped-def]
+    """out (d,) float32 = one head row[base : base + d] of a projection's output, rounded to the model's dtype (as the
+    layer stores it), with RoPE (Section 2.3) on its first 2 half dims: pairs (i, i + half) turn by the angles of
+    cos, sin (half,), each product and sum rounded as the model's element-wise operators round them."""
+    half, d = cos.shape[0], out.shape[0]
+    for i in range(half):
+        x1, x2 = _rounded(widen(row[base + i]), like), _rounded(widen(row[base + half + i]), like)
+        c, s = _rounded(widen(cos[i]), like), _rounded(widen(sin[i]), like)
+        out[i] = _rounded(_rounded(x1 * c, like) - _rounded(x2 * s, like), like)
+        out[half + i] = _rounded(_rounded(x2 * c, like) + _rounded(x1 * s, like), like)
+    for i in range(2 * half, d):
+        out[i] = _rounded(widen(row[base + i]), like)
+
+
+@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """One token of multi-query attention between its projections (Section 2.3), for qkv (B, (H + 2 H_kv) d) = [q, k,
+    v] the rows of the three projections: the new key (with RoPE) and value written to each row's cache slot (local:
+    a ring of S slots, slot count mod S; global: slot count), ``count`` (B,) advanced; then each query head (with
+    RoPE) over the first ``slots`` slots that hold its document (``seg_cache`` == ``segments``), global ones up to
+    its own: scores rounded to the model's dtype, softmax in float32, probabilities rounded, out (B, H d) their sum
+    of values. A task per row, key/value head and ``per_task`` of the query heads that share it."""
+    B, S, Hk, d = k_cache.shape
+    H = out.shape[1] // d
+    G = H // Hk
+    like = out.dtype.type(0)
+    key = np.empty(d, np.float32)  # (serial: no task shares it)
+    for b in range(B):  # the new keys and values first: every query reads them
+        slot = count[b] % S if local else count[b]
+        if slot >= S:
+            raise ValueError("attention_step: a global attention cache is full")
+        for j in range(Hk):
+            _rotated(qkv[b], (H + j) * d, cos[b], sin[b], like, key)
+            k_row, v_row, vs = k_cache[b, slot, j], v_cache[b, slot, j], qkv[b, (H + Hk + j) * d : (H + Hk + j + 1) * d]
+            for i in range(d):
+                k_row[i] = narrow(key[i], like)
+                v_row[i] = narrow(widen(vs[i]), like)
+        seg_cache[b, slot] = segments[b]
+        count[b] += 1
+    chunks = -(-G // per_task)
+    for task in prange(B * Hk * chunks):
+        b, j, g0 = task // (Hk * chunks), (task // chunks) % Hk, (task % chunks) * per_task
+        n = min(per_task, G - g0)
+        last = slots - 1 if local else count[b] - 1  # the newest slot a query sees
+        row = np.empty(d, np.float32)  # a key or value row, widened once for the n queries
+        qs = np.empty((n, d), np.float32)
+        for g in range(n):
+            _rotated(qkv[b], (j * G + g0 + g) * d, cos[b], sin[b], like, qs[g])
+        seen = np.empty(slots, np.bool_)  # the slots this row's query sees: its document's, up to its own
+        for s in range(slots):
+            seen[s] = s <= last and seg_cache[b, s] == segments[b]
+        probs = np.zeros((n, slots), np.float32)
+        top = np.full(n, -np.inf, np.float32)
+        for s in range(slots):  # scores: each key row read once for the n queries
+            if seen[s]:
+                k_row = k_cache[b, s, j]
+                for i in range(d):
+                    row[i] = widen(k_row[i])
+                for g in range(n):
+                    q, acc = qs[g], np.float32(0.0)
+                    for i in range(d):
+                        acc += q[i] * row[i]
+                    score = _rounded(np.float32(scale) * acc, like)
+                    probs[g, s] = score
+                    top[g] = max(top[g], score)
+        for g in range(n):  # softmax over the slots seen, rounded to the model's dtype
+            total = np.float32(0.0)
+            for s in range(slots):
+                if seen[s]:
+                    e = np.float32(exp_vectorizable(np.float64(probs[g, s] - top[g])))
+                    probs[g, s] = e
+                    total += e
+            for s in range(slots):
+                if seen[s]:
+                    probs[g, s] = _rounded(probs[g, s] / total, like)
+        acc_v = np.zeros((n, d), np.float32)
+        for s in range(slots):  # the values: each row read once for the n queries
+            if seen[s]:
+                v_row = v_cache[b, s, j]
+                for i in range(d):
+                    row[i] = widen(v_row[i])
+                for g in range(n):
+                    p, a = probs[g, s], acc_v[g]
+                    for i in range(d):
+                        a[i] += p * row[i]
+        for g in range(n):
+            o = out[b, (j * G + g0 + g) * d : (j * G + g0 + g + 1) * d]
+            for i in range(d):
+                o[i] = narrow(acc_v[g, i], like)
+
+
 @dataclass
 class RecurrentWeights:
     """A recurrent block's weights as :func:`recurrent_step` reads them, prepared once (views, no copies): the Conv1D's
@@ -290,6 +383,45 @@ def recurrent_step(y_u: Tensor, conv_state: Tensor, h: Tensor, weights: Recurren
     _recurrent_kernel(storage(y_u.contiguous()), storage(conv_state), weights.conv_w, weights.conv_b, weights.gate_x_w,
                       weights.gate_x_b, weights.gate_a_w, weights.gate_a_b, weights.log_a_scale, h.numpy(),
                       _exact(approximation), storage(out))
+    return out
+
+
+def attention_step(qkv: Tensor, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor, v_cache: Tensor,
+                   segment_cache: Tensor, count: Tensor, segments: Tensor, local: bool, slots: int, scale: float,
+                   dtype: torch.dtype) -> Tensor:
+    """Multi-query attention between its projections for one token per row (:func:`_attention_kernel`): qkv (B,
+    (H + 2 H_kv) d) = [q, k, v] the projections' rows (float32 or ``dtype``), ``rope`` the (cos, sin) (B, 1, half)
+    float32 of the tokens' positions (None: no RoPE), the block's cache (k_cache, v_cache (B, S, H_kv, d) in
+    ``dtype``, segment_cache (B, S) and count (B,) int64: local a ring of S slots, global one slot per step, of which
+    the first ``slots`` are read), updated in place, and ``segments`` (B, 1) the tokens' document ids. Returns the
+    input of the output projection (B, H d) in ``dtype``."""
+    B, S, Hk, d = k_cache.shape
+    _check_dtype("qkv", qkv)
+    _check_out_dtype(dtype)
+    H = qkv.shape[-1] // d - 2 * Hk if qkv.dim() == 2 else 0
+    if (qkv.dim() != 2 or qkv.shape[0] != B or H < Hk or H % Hk or qkv.shape[1] != (H + 2 * Hk) * d
+            or v_cache.shape != k_cache.shape or segment_cache.shape != (B, S) or count.shape != (B,)
+            or segments.shape != (B, 1) or not 0 < slots <= S):
+        raise ValueError(f"attention_step: for a cache of {tuple(k_cache.shape)} (B, S, H_kv, d), qkv must be (B, "
+                         f"(H + 2 H_kv) d) with H a multiple of H_kv, v_cache like k_cache, segment_cache (B, S), "
+                         f"count (B,), segments (B, 1) and 0 < slots <= S; got qkv {tuple(qkv.shape)}, v_cache "
+                         f"{tuple(v_cache.shape)}, segment_cache {tuple(segment_cache.shape)}, count "
+                         f"{tuple(count.shape)}, segments {tuple(segments.shape)}, slots {slots}")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"attention_step: the caches must be contiguous {dtype}, got {k_cache.dtype}, {v_cache.dtype}")
+    if any(t.dtype != torch.int64 for t in (segment_cache, count, segments)) or not (
+            segment_cache.is_contiguous() and count.is_contiguous()):
+        raise ValueError("attention_step: segment_cache, count (contiguous: written in place) and segments must be "
+                         "int64")
+    cos, sin = (torch.empty(B, 0), torch.empty(B, 0)) if rope is None else (t.reshape(B, -1) for t in rope)
+    if cos.dtype not in STEP_DTYPES or sin.dtype != cos.dtype or sin.shape != cos.shape or 2 * cos.shape[1] > d:
+        raise ValueError(f"attention_step: rope must be float32 or bfloat16 (cos, sin), each (B, 1, half) with half <= "
+                         f"{d // 2}, got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
+    tasks = max(1, -(-numba.get_num_threads() // (B * Hk)))  # tasks per row and key/value head
+    out = torch.empty(B, H * d, dtype=dtype)
+    _attention_kernel(storage(qkv.contiguous()), storage(cos.contiguous()), storage(sin.contiguous()), storage(k_cache),
+                      storage(v_cache), segment_cache.numpy(), count.numpy(), segments.reshape(B).contiguous().numpy(),
+                      local, slots, float(scale), -(-(H // Hk) // tasks), storage(out))
     return out
 
 
