@@ -19,9 +19,9 @@ One model is held at a time (float32, then bfloat16, then its int8 quantisation;
 one), so that a 2.7B model fits 24 GiB. A step is timed from one token to the next: after ``--warmup`` steps, the
 median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by self time per step (bfloat16 and int8,
 batch 1, the first model), the numba kernels (not aten operators) recorded under their own names. ``--unfused``
-times each griffin run again right after it without the fused element-wise kernels of the step
-(:mod:`griffin.inference.step`), side by side. ``--split`` times the weight matmuls inside a step, the same calls
-alone, and the step without them.
+also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.step`), its steps taken in
+turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host. ``--split``
+times the weight matmuls inside a step, the same calls alone, and the step without them.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -84,6 +84,22 @@ def timed_steps(loop: Callable[[Callable[[], None]], None], warmup: int, steps: 
     if len(times) < steps:
         raise RuntimeError(f"{len(times)} steps timed, {steps} asked for")
     return times
+
+
+def interleaved_steps(models: list[CausalLM], prompts: torch.Tensor, warmup: int, steps: int,
+                      compile: bool) -> list[list[float]]:
+    """Seconds per decode step of each model, their steps taken in turn (a step of the first, then of the second, ...)
+    so that the host's slow and fast phases fall on all of them alike; the first ``warmup`` steps left out."""
+    streams = [iter(generate_stream(m, prompts, warmup + steps + 1, temperature=0.0, compile=compile)) for m in models]
+    times: list[list[float]] = [[] for _ in models]
+    for stream in streams:
+        next(stream)  # the prompt and the first token
+    for _ in range(warmup + steps):
+        for stream, out in zip(streams, times, strict=True):
+            start = time.perf_counter()
+            next(stream)
+            out.append(time.perf_counter() - start)
+    return [t[warmup:] for t in times]
 
 
 def griffin_loop(model: CausalLM, prompts: torch.Tensor, n: int, compile: bool) -> Callable:
@@ -256,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also split bfloat16 and int8 steps at each batch on the first model: the weight matmuls "
                         "inside the step, the same calls replayed alone, the step without them")
     p.add_argument("--unfused", action="store_true",
-                   help="also time each griffin run without the fused element-wise kernels (decode_model(fuse=False)), "
-                        "right after it")
+                   help="also time each griffin run without the fused kernels (decode_model(fuse=False)), a step of "
+                        "each in turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = p.parse_args(argv)
@@ -284,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     splits: list[dict] = []
 
     def time_run(loop: Callable, model_name: str, path: str, dtype: str, batch: int, wbytes: int) -> None:
-        times = timed_steps(loop, args.warmup, args.steps)
+        record(timed_steps(loop, args.warmup, args.steps), model_name, path, dtype, batch, wbytes)
+
+    def record(times: list[float], model_name: str, path: str, dtype: str, batch: int, wbytes: int) -> None:
         step = statistics.median(times)
         rows.append(dict(model=model_name, path=path, dtype=dtype, batch=batch, step_ms=1e3 * step,
                          read_gbps_adjacent=bandwidths[-1]["bytes_per_s"] / 1e9,
@@ -310,12 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             bw = read_bandwidth()
             bandwidths.append(dict(before=f"{name} {dtype}", bytes_per_s=bw))
             for b in args.batches:
-                time_run(griffin_loop(model, prompts_of[b], n, args.compile), name, "griffin", dtype, b, wbytes)
-                if args.unfused:
-                    unfused = decode_model(model, b, fuse=False)
-                    time_run(griffin_loop(unfused, prompts_of[b], n, args.compile), name, "griffin unfused", dtype,
-                             b, wbytes)
-                    del unfused
+                if not args.unfused:
+                    time_run(griffin_loop(model, prompts_of[b], n, args.compile), name, "griffin", dtype, b, wbytes)
+                    continue
+                fused, unfused = interleaved_steps([model, decode_model(model, b, fuse=False)], prompts_of[b],
+                                                   args.warmup, args.steps, args.compile)
+                record(fused, name, "griffin", dtype, b, wbytes)
+                record(unfused, name, "griffin unfused", dtype, b, wbytes)
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
                 profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
                     griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))
