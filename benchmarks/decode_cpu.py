@@ -130,8 +130,8 @@ MATMULS = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedL
 def profile_steps(loop: Callable, top: int) -> list[dict]:
     """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
     step left out); the numba kernels' calls appear under their own names (``matvec (numba)``, ``block-diagonal gates
-    (numba)``, and the fused step's ``RMSNorm``, ``GeLU product`` and ``recurrent block``), and the step's wall time
-    not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
+    (numba)``, and the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``), and the
+    step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import griffin.inference.step as fused_step
@@ -140,7 +140,8 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
                 (MatvecBlockDiagonal, "forward", "block-diagonal gates (numba)"),
                 (fused_step, "rms_norm_step", "RMSNorm (numba)"),
                 (fused_step, "gelu_product_step", "GeLU product (numba)"),
-                (fused_step, "recurrent_step", "recurrent block (numba)")]
+                (fused_step, "recurrent_step", "recurrent block (numba)"),
+                (fused_step, "attention_step", "attention (numba)")]
     originals = [getattr(owner, name) for owner, name, _ in labelled]
 
     def recorded(fn: Callable, label: str) -> Callable:

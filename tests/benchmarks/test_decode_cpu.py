@@ -46,4 +46,4 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     assert "the same calls replayed" in capsys.readouterr().out
     for prof in results["profiles"]:  # the numba kernels under their own names
         ops = {o["op"] for o in prof["ops"]}
-        assert {"matvec (numba)", "recurrent block (numba)", "RMSNorm (numba)"} <= ops, ops
+        assert {"matvec (numba)", "recurrent block (numba)", "attention (numba)", "RMSNorm (numba)"} <= ops, ops

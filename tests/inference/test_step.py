@@ -66,6 +66,36 @@ def test_the_swap_shares_the_blocks_modules(gen):
     assert decode_model(fast, 1) is fast  # already a decode copy
 
 
+@pytest.mark.parametrize("family", ["mqa", "griffin"])
+@torch.no_grad()
+def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch):
+    """Recurrent and attention blocks (global and local) alike: a step calls the temporal block's kernel once per
+    block, and never the block's own forward."""
+    import griffin.inference.step as step
+
+    calls = {"attention": 0, "recurrent": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(step, "attention_step", counted("attention", step.attention_step))
+    monkeypatch.setattr(step, "recurrent_step", counted("recurrent", step.recurrent_step))
+    model = tiny(family, gen, torch.bfloat16)
+    fused = decode_model(model, 2)
+    _, cache = prefill(fused, torch.randint(0, 32, (2, 5), generator=gen), max_length=9)
+    for block in fused.blocks:
+        monkeypatch.setattr(block.reference[0], "forward", None)  # a step that fell back would call it and fail
+    decoder = Decoder(fused, cache)
+    for token in torch.randint(0, 32, (3, 2), generator=gen):
+        decoder(token)
+    kinds = [b.block_type for b in model.blocks]
+    assert calls["attention"] == 3 * sum(k != "recurrent" for k in kinds)
+    assert calls["recurrent"] == 3 * kinds.count("recurrent")
+
+
 @pytest.mark.parametrize("variant", ["complex_lru", "float64"])
 @torch.no_grad()
 def test_blocks_the_kernels_cannot_read_go_through_the_block(gen, variant):

@@ -5,8 +5,8 @@ A decode step of a 1-3B model reads its weights once, through the matvec kernels
 1.3B step at batch 1 in some 150 eager operators per layer. :func:`fused_step_swapped` replaces each residual block of
 a decode copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which
 runs a step through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the
-two RMSNorms and the residual add, the MLP's GeLU product, and for a recurrent block everything between its two
-projections in one parallel region. Anything else (a prompt, a document start or padding, a compiled step,
+two RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections:
+for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Anything else (a prompt, a document start or padding, a compiled step,
 gradients) goes through the block as it is, so the copy computes what the model computes, up to float32 rounding
 inside the kernels.
 """

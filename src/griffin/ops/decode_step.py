@@ -1,6 +1,8 @@
-"""The element-wise work of a decode step on CPU, fused (Section 5): RMSNorm and the residual add before it, the
-gated MLP's GeLU product, and the whole recurrent block between its two projections (the Conv1D step, the RG-LRU's
-block-diagonal gates and recurrence of Section 2.4, the product with the GeLU branch) in one parallel region.
+"""The work of a decode step between its weight matmuls on CPU, fused (Section 5): RMSNorm and the residual add before
+it, the gated MLP's GeLU product, the whole recurrent block between its two projections (the Conv1D step, the RG-LRU's
+block-diagonal gates and recurrence of Section 2.4, the product with the GeLU branch) in one parallel region, and
+multi-query attention between its projections (RoPE, the key/value cache write, the attention over the cache of
+Section 2.3).
 
 At one token per row these layers hold a few thousand values each, and the eager operators that compute them in the
 model (about 150 per layer and step) cost more than their arithmetic. Each kernel computes what its layer's forward
@@ -10,7 +12,8 @@ value (the Conv1D input it keeps, the layers' outputs, the gates and the recurre
 before using them). e^x and the sigmoid are the fused RG-LRU kernel's
 (:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a
 scalar call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
-:class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`): tests compare the kernels to them.
+:class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`):
+tests compare the kernels to them.
 """
 
 from __future__ import annotations
