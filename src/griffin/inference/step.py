@@ -6,9 +6,9 @@ A decode step of a 1-3B model reads its weights once, through the matvec kernels
 a decode copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which
 runs a step through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the
 two RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections:
-for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Anything else (a prompt, a document start or padding, a compiled step,
-gradients) goes through the block as it is, so the copy computes what the model computes, up to float32 rounding
-inside the kernels.
+for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention.
+Anything else (a prompt, a document start or padding, a compiled step, gradients) goes through the block as it is, so
+the copy computes what the model computes, up to float32 rounding inside the kernels.
 """
 
 from __future__ import annotations

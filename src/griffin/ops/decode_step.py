@@ -253,47 +253,70 @@ def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segment
         b, j, g0 = task // (Hk * chunks), (task // chunks) % Hk, (task % chunks) * per_task
         n = min(per_task, G - g0)
         last = slots - 1 if local else count[b] - 1  # the newest slot a query sees
-        row = np.empty(d, np.float32)  # a key or value row, widened once for the n queries
         qs = np.empty((n, d), np.float32)
         for g in range(n):
             _rotated(qkv[b], (j * G + g0 + g) * d, cos[b], sin[b], like, qs[g])
-        seen = np.empty(slots, np.bool_)  # the slots this row's query sees: its document's, up to its own
-        for s in range(slots):
-            seen[s] = s <= last and seg_cache[b, s] == segments[b]
-        probs = np.zeros((n, slots), np.float32)
-        top = np.full(n, -np.inf, np.float32)
-        for s in range(slots):  # scores: each key row read once for the n queries
-            if seen[s]:
-                k_row = k_cache[b, s, j]
+        visible = np.empty(slots, np.int64)  # the slots this row's queries see: their document's, up to their own
+        m = 0
+        for s in range(min(slots, last + 1)):
+            if seg_cache[b, s] == segments[b]:
+                visible[m] = s
+                m += 1
+        rows = np.empty((4, d), np.float32)  # four key or value rows, widened once for the n queries
+        probs = np.empty((n, m), np.float32)
+        for s0 in range(0, m, 4):  # scores: four key rows at a time against each query
+            r = min(4, m - s0)
+            for t in range(r):
+                k_row, w_row = k_cache[b, visible[s0 + t], j], rows[t]
                 for i in range(d):
-                    row[i] = widen(k_row[i])
-                for g in range(n):
-                    q, acc = qs[g], np.float32(0.0)
+                    w_row[i] = widen(k_row[i])
+            for g in range(n):
+                q, p_row = qs[g], probs[g]
+                if r == 4:
+                    k0, k1, k2, k3 = rows[0], rows[1], rows[2], rows[3]
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
                     for i in range(d):
-                        acc += q[i] * row[i]
-                    score = _rounded(np.float32(scale) * acc, like)
-                    probs[g, s] = score
-                    top[g] = max(top[g], score)
-        for g in range(n):  # softmax over the slots seen, rounded to the model's dtype
-            total = np.float32(0.0)
-            for s in range(slots):
-                if seen[s]:
-                    e = np.float32(exp_vectorizable(np.float64(probs[g, s] - top[g])))
-                    probs[g, s] = e
-                    total += e
-            for s in range(slots):
-                if seen[s]:
-                    probs[g, s] = _rounded(probs[g, s] / total, like)
+                        a0 += q[i] * k0[i]
+                        a1 += q[i] * k1[i]
+                        a2 += q[i] * k2[i]
+                        a3 += q[i] * k3[i]
+                    p_row[s0], p_row[s0 + 1], p_row[s0 + 2], p_row[s0 + 3] = a0, a1, a2, a3
+                else:
+                    for t in range(r):
+                        a, k_t = np.float32(0.0), rows[t]
+                        for i in range(d):
+                            a += q[i] * k_t[i]
+                        p_row[s0 + t] = a
+        for g in range(n):  # softmax, in float32 of the scores rounded to the model's dtype; then rounded too
+            p_row, high, total = probs[g], np.float32(-np.inf), np.float32(0.0)
+            for s in range(m):
+                p_row[s] = _rounded(np.float32(scale) * p_row[s], like)
+                high = max(high, p_row[s])
+            for s in range(m):
+                p_row[s] = np.float32(exp_vectorizable(np.float64(p_row[s] - high)))
+                total += p_row[s]
+            for s in range(m):
+                p_row[s] = _rounded(p_row[s] / total, like)
         acc_v = np.zeros((n, d), np.float32)
-        for s in range(slots):  # the values: each row read once for the n queries
-            if seen[s]:
-                v_row = v_cache[b, s, j]
-                for i in range(d):
-                    row[i] = widen(v_row[i])
-                for g in range(n):
-                    p, a = probs[g, s], acc_v[g]
+        for s0 in range(0, m, 4):  # the values: four rows at a time into each query's sum
+            r = min(4, m - s0)
+            for t in range(4):
+                w_row = rows[t]
+                if t < r:
+                    v_row = v_cache[b, visible[s0 + t], j]
                     for i in range(d):
-                        a[i] += p * row[i]
+                        w_row[i] = widen(v_row[i])
+                else:
+                    w_row[:] = 0.0
+            v0, v1, v2, v3 = rows[0], rows[1], rows[2], rows[3]
+            for g in range(n):
+                p_row, a = probs[g], acc_v[g]
+                p0 = p_row[s0]
+                p1 = p_row[s0 + 1] if r > 1 else np.float32(0.0)
+                p2 = p_row[s0 + 2] if r > 2 else np.float32(0.0)
+                p3 = p_row[s0 + 3] if r > 3 else np.float32(0.0)
+                for i in range(d):
+                    a[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
         for g in range(n):
             o = out[b, (j * G + g0 + g) * d : (j * G + g0 + g + 1) * d]
             for i in range(d):
