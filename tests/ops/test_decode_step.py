@@ -202,9 +202,12 @@ def test_attention_step_reads_only_the_slots_given(gen):
     a = attention_step(qkv, rope, cache.k, cache.v, cache.segment, cache.count, segment, *args)
     b = attention_step(qkv, rope, poisoned.k, poisoned.v, poisoned.segment, poisoned.count, segment, *args)
     assert torch.equal(a, b)
-    cache.count.fill_(12)
+    cache.count[1] = 12  # row 1's cache is full: nothing is written, row 0's neither
+    before = copy.deepcopy(cache)
     with pytest.raises(ValueError, match="cache is full"):
         attention_step(qkv, rope, cache.k, cache.v, cache.segment, cache.count, segment, *args)
+    assert all(torch.equal(a, b) for a, b in zip((cache.k, cache.segment, cache.count),
+                                                 (before.k, before.segment, before.count), strict=True))
 
 
 def test_bad_input_is_named(gen):

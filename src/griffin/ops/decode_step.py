@@ -207,7 +207,6 @@ def _check_out_dtype(dtype: torch.dtype) -> None:
         raise ValueError(f"decode_step: the model's dtype must be float32 or bfloat16, got {dtype}")
 
 
-
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
 def _rotated(row, base, cos, sin, like, out):  # type: ignore[no-untyped-def]
     """out (d,) float32 = one head row[base : base + d] of a projection's output, rounded to the model's dtype (as the
@@ -235,11 +234,12 @@ def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segment
     H = out.shape[1] // d
     G = H // Hk
     like = out.dtype.type(0)
+    for b in range(B):  # (before anything is written)
+        if not local and count[b] >= S:
+            raise ValueError("attention_step: a global attention cache is full")
     key = np.empty(d, np.float32)  # (serial: no task shares it)
     for b in range(B):  # the new keys and values first: every query reads them
         slot = count[b] % S if local else count[b]
-        if slot >= S:
-            raise ValueError("attention_step: a global attention cache is full")
         for j in range(Hk):
             _rotated(qkv[b], (H + j) * d, cos[b], sin[b], like, key)
             k_row, v_row, vs = k_cache[b, slot, j], v_cache[b, slot, j], qkv[b, (H + Hk + j) * d : (H + Hk + j + 1) * d]
@@ -417,10 +417,10 @@ def attention_step(qkv: Tensor, rope: tuple[Tensor, Tensor] | None, k_cache: Ten
                    dtype: torch.dtype) -> Tensor:
     """Multi-query attention between its projections for one token per row (:func:`_attention_kernel`): qkv (B,
     (H + 2 H_kv) d) = [q, k, v] the projections' rows (float32 or ``dtype``), ``rope`` the (cos, sin) (B, 1, half)
-    float32 of the tokens' positions (None: no RoPE), the block's cache (k_cache, v_cache (B, S, H_kv, d) in
-    ``dtype``, segment_cache (B, S) and count (B,) int64: local a ring of S slots, global one slot per step, of which
-    the first ``slots`` are read), updated in place, and ``segments`` (B, 1) the tokens' document ids. Returns the
-    input of the output projection (B, H d) in ``dtype``."""
+    of the tokens' positions (float32 or ``dtype``; None: no RoPE), the block's cache (k_cache, v_cache (B, S, H_kv,
+    d) in ``dtype``, segment_cache (B, S) and count (B,) int64: local a ring of S slots, global one slot per step, of
+    which the first ``slots`` are read), updated in place, and ``segments`` (B, 1) the tokens' document ids. Returns
+    the input of the output projection (B, H d) in ``dtype``."""
     B, S, Hk, d = k_cache.shape
     _check_dtype("qkv", qkv)
     _check_out_dtype(dtype)
