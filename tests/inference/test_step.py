@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+import griffin.inference.step as fused_step
 from griffin import Decoder, prefill
 from griffin.inference.generate import decode_model
 from griffin.inference.matvec import matvec_swapped
@@ -71,8 +72,6 @@ def test_the_swap_shares_the_blocks_modules(gen):
 def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch):
     """Recurrent and attention blocks (global and local) alike: a step calls the temporal block's kernel once per
     block, and never the block's own forward."""
-    import griffin.inference.step as step
-
     calls = {"attention": 0, "recurrent": 0}
 
     def counted(name, fn):
@@ -81,8 +80,8 @@ def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch)
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(step, "attention_step", counted("attention", step.attention_step))
-    monkeypatch.setattr(step, "recurrent_step", counted("recurrent", step.recurrent_step))
+    monkeypatch.setattr(fused_step, "attention_step", counted("attention", fused_step.attention_step))
+    monkeypatch.setattr(fused_step, "recurrent_step", counted("recurrent", fused_step.recurrent_step))
     model = tiny(family, gen, torch.bfloat16)
     fused = decode_model(model, 2)
     _, cache = prefill(fused, torch.randint(0, 32, (2, 5), generator=gen), max_length=9)
