@@ -300,9 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     profiles: list[dict] = []
     splits: list[dict] = []
 
-    def time_run(loop: Callable, model_name: str, path: str, dtype: str, batch: int, wbytes: int) -> None:
-        record(timed_steps(loop, args.warmup, args.steps), model_name, path, dtype, batch, wbytes)
-
     def record(times: list[float], model_name: str, path: str, dtype: str, batch: int, wbytes: int) -> None:
         step = statistics.median(times)
         rows.append(dict(model=model_name, path=path, dtype=dtype, batch=batch, step_ms=1e3 * step,
@@ -329,13 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             bw = read_bandwidth()
             bandwidths.append(dict(before=f"{name} {dtype}", bytes_per_s=bw))
             for b in args.batches:
-                if not args.unfused:
-                    time_run(griffin_loop(model, prompts_of[b], n, args.compile), name, "griffin", dtype, b, wbytes)
-                    continue
-                fused, unfused = interleaved_steps([model, decode_model(model, b, fuse=False)], prompts_of[b],
-                                                   args.warmup, args.steps, args.compile)
-                record(fused, name, "griffin", dtype, b, wbytes)
-                record(unfused, name, "griffin unfused", dtype, b, wbytes)
+                models = [model] + ([decode_model(model, b, fuse=False)] if args.unfused else [])
+                times = interleaved_steps(models, prompts_of[b], args.warmup, args.steps, args.compile)
+                for path, t in zip(["griffin", "griffin unfused"], times, strict=False):
+                    record(t, name, path, dtype, b, wbytes)
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
                 profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
                     griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))
@@ -347,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 with tempfile.TemporaryDirectory() as tmp:
                     hf = hf_from(model, Path(tmp))
                 for b in args.batches:
-                    time_run(hf_loop(hf, prompts_of[b], n), name, "hf", dtype, b, wbytes)
+                    record(timed_steps(hf_loop(hf, prompts_of[b], n), args.warmup, args.steps), name, "hf", dtype, b,
+                           wbytes)
                 del hf
                 gc.collect()
         del model

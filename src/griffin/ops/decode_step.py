@@ -30,7 +30,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.cpu import block_product, widen
+from griffin.ops.matvec.cpu import block_product, storage, widen
 from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
@@ -190,11 +190,6 @@ def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, l
                                                                 * x_row[o]))
                 h_row[o] = state
                 out_row[o] = narrow(_rounded(state, like) * widen(y_row[o]), like)
-
-
-def storage(t: Tensor) -> np.ndarray:
-    """The numpy view the kernels read and write (no copy): bfloat16 as its uint16 bits, float32 as it is."""
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _check_dtype(name: str, t: Tensor) -> None:

@@ -389,23 +389,26 @@ def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         raise ValueError(f"block_diagonal_cpu reads contiguous float32 or bfloat16 CPU weights, got {w.dtype} on "
                          f"{w.device}")
     flat = x.reshape(-1, H * Din)
-    rows = flat.contiguous().view(torch.uint16) if flat.dtype == torch.bfloat16 else flat.float().contiguous()
     out = torch.empty(flat.shape[0], H * Dout, dtype=torch.float32)
     if flat.shape[0]:
-        _block_diagonal_kernel(rows.numpy(), (w.view(torch.uint16) if w.dtype == torch.bfloat16 else w).numpy(),
-                               bias.numpy(), out.numpy())
+        _block_diagonal_kernel(_widen_view(flat), storage(w), bias.numpy(), out.numpy())
     return out.reshape(*x.shape[:-1], H * Dout).to(x.dtype)
 
 
+def storage(t: Tensor) -> np.ndarray:
+    """The numpy view the kernels read and write (no copy): bfloat16 as its uint16 bits, other dtypes as they are."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def storage_view(weight: Tensor) -> np.ndarray:
-    """The numpy array the kernel reads (no copy): bfloat16 as its uint16 bits, float32 and int8 as they are."""
+    """:func:`storage` of a weight matrix the kernel reads: float32, bfloat16 or int8, on the CPU, contiguous."""
     if weight.dtype not in WEIGHT_DTYPES or weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"the CPU matvec kernel reads float32, bfloat16 or int8 CPU matrices, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     w = weight.detach()
     if not w.is_contiguous():
         raise ValueError(f"the CPU matvec kernel reads contiguous matrices, got strides {w.stride()}")
-    return (w.view(torch.uint16) if w.dtype == torch.bfloat16 else w).numpy()
+    return storage(w)
 
 
 def padded(arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
