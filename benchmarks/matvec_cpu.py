@@ -8,6 +8,8 @@ output layer's 2048 -> 32000) and each weight dtype, this script times, side by 
 - ``griffin``: :func:`griffin.ops.matvec.cpu.matvec_cpu` as the decoder calls it (bfloat16 activations; on a host
   with AVX-512 BF16 / VNNI the one-row path through ``vdpbf16ps`` / ``vpdpbusd``);
 - ``griffin generic``: the same with ``GRIFFIN_MATVEC=generic``'s path (weights widened to float32 one by one);
+- ``griffin, no prefetch``: int8 at several rows on a host with ``vpdpbusd``, the kernel without its prefetch of the
+  weight blocks ahead (``PREFETCH_BYTES = 0``);
 - ``F.linear``: PyTorch's matmul (oneDNN) on the same weights (float32 or bfloat16);
 - ``int8pack``: PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, what gpt-fast and torchao use on
   CPU), bfloat16 activations, per-channel scales;
@@ -19,8 +21,8 @@ the most weights per second the cores can multiply against ``--batch`` rows when
 2 x batch ``vpdpbusd`` per 64 weights (one per byte of each row's int16 steps), bfloat16 batch ``vdpbf16ps`` per 32.
 
 Each matrix is held in several copies (together beyond the 32 MiB L3), used in turn, so that every call reads its
-weights from memory. Reported: the median over ``--rounds`` rounds of GB of weights read per second, and the ratio
-to ``sum`` measured in the same round.
+weights from memory. Reported: the median over ``--rounds`` rounds (each starting at the next path) of GB of weights
+read per second, and the ratio to ``sum`` measured in the same round.
 
     flock /tmp/griffin-bench.lock python benchmarks/matvec_cpu.py
 """
@@ -139,7 +141,16 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
         finally:
             matvec_module.FAST_DOTS = fast
 
+    def unprefetched(i: int) -> object:
+        ahead, matvec_module.PREFETCH_BYTES = matvec_module.PREFETCH_BYTES, 0
+        try:
+            return matvec_cpu(xg, prepared[i])
+        finally:
+            matvec_module.PREFETCH_BYTES = ahead
+
     out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
+    if dtype == "int8" and batch > 1 and "int8" in matvec_module.FAST_DOTS:
+        out["griffin, no prefetch"] = cycling(unprefetched)
     out.update({name: cycling(lambda i, fn=fn: fn(weights[i])) for name, fn in linear.items()})
     out["sum"] = cycling(lambda i: ones[i].sum())
     return out
@@ -181,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
                 fn()
             rates: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    rates[name].append(nbytes / timed(fn) / 1e9)
+            names = list(fns)
+            for r in range(args.rounds):  # each round starts at the next path, so that none always follows another
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    rates[name].append(nbytes / timed(fns[name]) / 1e9)
             for name in fns:
                 if name == "sum":
                     continue

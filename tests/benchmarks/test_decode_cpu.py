@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from griffin.inference.generate import decode_model
 from griffin.inference.matvec import MatvecLinear
 from griffin.inference.prepack import PackedLinear
 from griffin.model import ResidualBlock
+from griffin.ops.matvec import cpu as matvec_module
 from griffin.quantize import quantize_int8
 from tests.benchmarks.test_inference_benchmark import load_benchmark
 
@@ -20,17 +22,25 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     out = tmp_path / "decode.json"
     main = load_benchmark("decode_cpu").main
     assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "2", "--no-hf",
-                 "--split", "--unfused", "--profile", "--warmup", "1", "--steps", "2", "--threads", "1",
-                 "--out", str(out)]) == 0
+                 "--split", "--unfused", "--no-prefetch-too", "--profile", "--warmup", "1", "--steps", "2",
+                 "--threads", "1", "--read-gib", "0.01", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     runs = [("bfloat16", 1), ("bfloat16", 2), ("int8", 1), ("int8", 2)]
     paths = [(r["dtype"], r["batch"], r["path"]) for r in results["rows"]]
-    assert paths == [(*run, path) for run in runs for path in ("griffin", "griffin unfused")]
+    assert paths == [(*run, path) for run in runs for path in ("griffin", "griffin unfused")
+                     + (("griffin, no prefetch",) if run == ("int8", 2) else ())]
     for r in results["rows"]:  # each unfused run against the fused one of its weights and batch
         fused = [o for o in results["rows"] if o["path"] == "griffin" and (o["dtype"], o["batch"]) == (r["dtype"],
                                                                                                       r["batch"])]
         assert r["vs_fused"] == pytest.approx(r["tokens_per_s"] / fused[0]["tokens_per_s"])
+        # the read rate between the steps: one sum after each round of timed steps, shared by the fused and unfused
+        assert len(r["reads_gbps_between"]) == 2 and r["reads_gbps_between"] == fused[0]["reads_gbps_between"]
+        assert r["between_fraction"] == pytest.approx(r["weight_gbps"] / statistics.median(r["reads_gbps_between"]))
+    goals = [g for g in results["goals"] if g["goal"].startswith("bf16")]
+    assert [g["value"] for g in goals] == [r["between_fraction"] for r in results["rows"]
+                                           if (r["path"], r["dtype"], r["batch"]) == ("griffin", "bfloat16", 1)]
     assert results["machine"]["openmp"]["OMP_WAIT_POLICY"] == "passive"
+    assert matvec_module.PREFETCH_BYTES > 0  # restored after the runs without it
     # one call per weight matmul module in a step (a fused group is one; the gates run inside the fused recurrent
     # block's kernel): the matvec kernel at one row and for int8, oneDNN's prepacked matmuls for bfloat16 at two
     model = CausalLM(ModelConfig.from_preset("griffin-tiny")).to(torch.bfloat16)

@@ -215,3 +215,36 @@ def test_group_size_must_divide_the_inputs():
         check_group_size(32, 48, "blocks.0.x")
     with pytest.raises(ValueError, match="group_size=32"):
         quantize_int8(torch.randn(4, 48), 32)
+
+
+def test_prefetch_is_a_hint_that_reads_nothing_and_never_faults():
+    """:func:`griffin.ops.matvec.isa.prefetch` (the several-row int8 kernel's, up to a block past a matrix's end):
+    any index, inside the array or far outside it, compiles to a hint; a non-contiguous array is refused."""
+    import numba
+    from numba.core.errors import TypingError
+
+    from griffin.ops.matvec.isa import prefetch
+
+    @numba.njit
+    def touch(w, lo, hi, step):
+        for q in range(lo, hi, step):
+            prefetch(w, q)
+        return w.sum()
+
+    w = np.arange(4 * 96, dtype=np.int8).reshape(4, 96)
+    assert touch(w, -(1 << 20), 1 << 24, 4096) == w.sum()
+    with pytest.raises(TypingError, match="C-contiguous"):
+        touch(w[:, ::2], 0, 8, 1)
+
+
+@pytest.mark.skipif("int8" not in FAST_DOTS, reason="the several-row int8 kernel needs vpdpbusd")
+@pytest.mark.parametrize("ahead", [0, 64, 4096, 1 << 30])
+def test_int8_rows_prefetch_distance_changes_no_output(gen, monkeypatch, ahead):
+    """The several-row int8 kernel prefetches its next weight blocks (none, within its block, a few blocks ahead, past
+    every matrix's end): the outputs are the same bits whatever the distance."""
+    pairs = [quantize_int8(torch.randn(n, 192, generator=gen), 0) for n in (37, 5, 22)]
+    prepared = MatvecWeights.prepare([q for q, _ in pairs], [s for _, s in pairs])
+    x = torch.randn(5, 192, generator=gen).bfloat16()
+    expected = matvec_cpu(x, prepared, torch.float32)
+    monkeypatch.setattr(matvec_module, "PREFETCH_BYTES", ahead)
+    assert torch.equal(matvec_cpu(x, prepared, torch.float32), expected)

@@ -48,10 +48,15 @@ from griffin.ops.matvec.isa import (
     dot_bf16,
     dot_rows_uint16_int8,
     dot_uint16_int8,
+    prefetch,
 )
 from griffin.ops.matvec.reference import INT16_MAX
 
 TILE = 16  # output rows per task
+# How far ahead (bytes of weights) the several-row int8 kernel prefetches (0: not at all): while a block is read again
+# from L1 for the next input rows, nothing else draws the next rows from memory (docs/performance.md, "CPU decode at
+# 1–3B").
+PREFETCH_BYTES = 1 << 16
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
@@ -269,25 +274,32 @@ def _one_row_int8_kernel(high, low, step, weights, tiles, sums, scale, bias, out
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _rows_int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, out):  # type: ignore[no-untyped-def]
+def _rows_int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """:func:`_one_row_int8_kernel` for B rows, each with its own int16 steps: ``high``, ``low`` (B', K) with
     B' >= B a multiple of :data:`griffin.ops.matvec.isa.ROWS` (the rows past B are computed, not written out),
     ``steps`` (B,), out (B, N). A block of WEIGHT_ROWS weight rows against ROWS input rows at a time
     (:func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`); the weight rows stay in the L1 cache for the next input
-    rows. At the end of a tile the block repeats its last row (computed, not written out)."""
+    rows, while the block ``ahead_bytes`` of weights ahead (0: none) is prefetched into L2, a share at each pass. At
+    the end of a tile the block repeats its last row (computed, not written out)."""
     B = out.shape[0]
     K = high.shape[1]
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
     n = WEIGHT_ROWS * ROWS
+    passes = -(-B // ROWS)
+    blocks_ahead = max(1, ahead_bytes // (WEIGHT_ROWS * K))
     for t in prange(tiles.shape[0]):
         j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
         w = weights[j]
         acc = np.empty(n, np.int64)
         total = np.empty(n, np.float32)
         for i in range(0, rows, WEIGHT_ROWS):
+            ahead = min(r0 + i + blocks_ahead * WEIGHT_ROWS, w.shape[0]) * K  # (the next tile's rows too)
+            share = -(-min(WEIGHT_ROWS * K, w.shape[0] * K - ahead) // (64 * passes)) * 64 if ahead_bytes else 0
             for m0 in range(0, B, ROWS):
+                for q in range(ahead + m0 // ROWS * share, ahead + (m0 // ROWS + 1) * share, 64):
+                    prefetch(w, q)
                 total[:] = 0.0
                 for g in range(G):
                     k0 = g * group
@@ -507,7 +519,7 @@ def _int8_rows(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> bool:
     if not _quantize_rows_int16(bits, high, low, steps):
         return False
     _rows_int8_kernel(high, low, steps, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale, prepared.bias,
-                      out)
+                      PREFETCH_BYTES, out)
     return True
 
 
