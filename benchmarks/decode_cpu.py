@@ -9,7 +9,8 @@ and reports:
 - ms per step (each row of the batch gets one token per step) and tokens/s (batch / step time);
 - weight bytes read per second (the model's parameters and buffers, once per step), as a fraction of the machine's
   read bandwidth, measured in the same run: a warm ``sum`` over a 1 GiB float32 tensor, best of 7, just before each
-  model and weight dtype and at the end, and once after each round of timed steps (:func:`interleaved_steps`);
+  model and weight dtype and at the end, and over 256 MiB once after each round of timed steps
+  (:func:`interleaved_steps`);
   fractions of the best of all the best-of-7s, of the one just before, and of the median of those between the steps
   (the machine is shared and its read rate moves by 2x within minutes: only the last saw the steps' phases);
 - for the ``recurrentgemma-2b`` shape, HF transformers' ``RecurrentGemmaForCausalLM`` on the same weights in
@@ -22,9 +23,10 @@ median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by se
 batch 1, the first model), the numba kernels (not aten operators) recorded under their own names. ``--unfused``
 also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.step`), its steps taken in
 turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host;
-``--no-prefetch-too`` likewise each int8 run of several rows without the kernel's prefetch of the weights ahead
-(:data:`griffin.ops.matvec.cpu.PREFETCH_BYTES`). ``--split`` times the weight matmuls inside a step, the same calls
-alone, and the step without them.
+``--kernel-by-kernel-too`` likewise each run of one row with the fused step's kernels called one by one instead of
+in one call per block, and ``--no-prefetch-too`` each int8 run of several rows without the kernel's prefetch of the
+weights ahead (:data:`griffin.ops.matvec.cpu.PREFETCH_BYTES`). ``--split`` times the weight matmuls inside a step,
+the same calls alone, and the step without them.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -53,6 +55,7 @@ from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
 from griffin.inference.generate import decode_model, weight_bytes
 from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear
 from griffin.inference.prepack import PackedLinear
+from griffin.inference.step import FusedResidualBlock
 from griffin.ops.matvec import cpu as matvec_cpu
 from griffin.quantize import quantize_int8
 
@@ -126,6 +129,16 @@ def interleaved_steps(models: list[CausalLM], prompts: torch.Tensor, warmup: int
     return [t[warmup:] for t in times], rates
 
 
+def kernel_by_kernel(model: CausalLM) -> torch.nn.Module:
+    """The one-row decode copy whose blocks call the fused step's kernels one by one (as at several rows), not in one
+    call per block (:class:`griffin.inference.step.FusedResidualBlock`'s ``row`` left out)."""
+    copy = decode_model(model, 1)
+    for block in copy.blocks:
+        if isinstance(block, FusedResidualBlock):
+            block.row = None
+    return copy
+
+
 @contextmanager
 def without_prefetch() -> Iterator[None]:
     """The several-row int8 kernel without its prefetch of the weight blocks ahead (``PREFETCH_BYTES = 0``)."""
@@ -164,7 +177,8 @@ MATMULS = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedL
 def profile_steps(loop: Callable, top: int) -> list[dict]:
     """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
     step left out); the numba kernels' calls appear under their own names (``matvec (numba)``, ``block-diagonal gates
-    (numba)``, and the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``), and the
+    (numba)``, the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``, and at one row
+    its residual blocks' one call each, their matmuls included), and the
     step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -175,7 +189,9 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
                 (fused_step, "rms_norm_step", "RMSNorm (numba)"),
                 (fused_step, "gelu_product_step", "GeLU product (numba)"),
                 (fused_step, "recurrent_step", "recurrent block (numba)"),
-                (fused_step, "attention_step", "attention (numba)")]
+                (fused_step, "attention_step", "attention (numba)"),
+                (fused_step, "recurrent_block_row", "recurrent residual block, one call (numba)"),
+                (fused_step, "attention_block_row", "attention residual block, one call (numba)")]
     originals = [getattr(owner, name) for owner, name, _ in labelled]
 
     def recorded(fn: Callable, label: str) -> Callable:
@@ -214,7 +230,8 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     weight matmuls (the matvec kernel's calls, the gates' where they are a call of their own, oneDNN's and PyTorch's
     int8 matmuls) timed inside it; the same calls replayed back to back on the inputs they had; the step with every
     such call answered at once by the output it gave before (the step without the weights; in the fused step the
-    gates run inside the recurrent block's kernel, so they count there)."""
+    gates run inside the recurrent block's kernel, so they count there). At one row, of the copy that calls the
+    kernels one by one (:func:`kernel_by_kernel`): in one call per block its matmuls are not calls of their own."""
     methods = MATMULS
     originals = {cls: getattr(cls, name) for cls, name in methods.items()}
     tokens = prompts[:, -1].clone()
@@ -250,7 +267,7 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     try:
         patch(timed)
         _, cache = prefill(model, prompts, max_length=prompts.shape[1] + warmup + 2 * steps + 2)
-        decoder = Decoder(model, cache)
+        decoder = Decoder(kernel_by_kernel(model) if prompts.shape[0] == 1 else model, cache)
         steps_ms(decoder, warmup)
         inside[0] = 0.0
         step = steps_ms(decoder, steps)
@@ -309,11 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unfused", action="store_true",
                    help="also time each griffin run without the fused kernels (decode_model(fuse=False)), a step of "
                         "each in turn")
+    p.add_argument("--kernel-by-kernel-too", action="store_true",
+                   help="also time each run of one row with the fused step's kernels called one by one, not in one "
+                        "call per block, a step of each in turn")
     p.add_argument("--no-prefetch-too", action="store_true",
                    help="also time each int8 run of several rows without the kernel's prefetch of the weights ahead, "
                         "a step of each in turn")
     p.add_argument("--read-gib", type=float, default=1.0,
-                   help="GiB of float32 summed for the read rate (before each model and dtype, and between steps)")
+                   help="GiB of float32 summed for the read rate before each model and dtype (between the steps: a "
+                        "quarter of it, so that a 2B float32 model's prepacked copy at batch 8 still fits 24 GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = p.parse_args(argv)
@@ -336,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     unprefetched = args.no_prefetch_too and "int8" in args.dtypes
     runs_per_model = {name: len(args.batches) * (len(args.dtypes) * (1 + args.unfused)
                                                   + (hf_wanted and name in HF_SHAPES))
-                      + unprefetched * sum(b > 1 for b in args.batches) for name in args.models}
+                      + unprefetched * sum(b > 1 for b in args.batches)
+                      + args.kernel_by_kernel_too * len(args.dtypes) * args.batches.count(1) for name in args.models}
     bar = progress(sum(runs_per_model.values()), "decode runs")
     rows: list[dict] = []
     bandwidths: list[dict] = []
@@ -375,10 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [("griffin", model, nullcontext)]
                 if args.unfused:
                     runs.append(("griffin unfused", decode_model(model, b, fuse=False), nullcontext))
+                if args.kernel_by_kernel_too and b == 1:
+                    runs.append(("griffin, kernel by kernel", kernel_by_kernel(model), nullcontext))
                 if args.no_prefetch_too and dtype == "int8" and b > 1:
                     runs.append(("griffin, no prefetch", model, without_prefetch))
                 times, rates = interleaved_steps([m for _, m, _ in runs], prompts_of[b], args.warmup, args.steps,
-                                                 args.compile, read_tensor(args.read_gib), [s for _, _, s in runs])
+                                                 args.compile, read_tensor(args.read_gib / 4), [s for _, _, s in runs])
                 for (path, _, _), t in zip(runs, times, strict=True):
                     record(t, name, path, dtype, b, wbytes, rates)
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):

@@ -95,6 +95,47 @@ def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch)
     assert calls["recurrent"] == 3 * kinds.count("recurrent")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@torch.no_grad()
+def test_one_row_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype, monkeypatch):
+    """At one row each block's step is one call (griffin.ops.decode_step's recurrent_block_row and
+    attention_block_row: the same kernels around the block's four matmuls, global attention and a local ring of 6
+    slots that wraps after the 9-token prompt): each block makes exactly one such call per step, and the logits and
+    caches of 6 steps equal those of the same copy calling the kernels one by one. LLVM may vectorise a kernel's sums
+    differently inside the one call, so float32 agrees to its rounding; bfloat16 and int8 to the tolerance of
+    :func:`test_fused_step_equals_the_unfused_copy` (a float32 difference can flip a bfloat16 rounding)."""
+    int8 = dtype == "int8"
+    model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
+    model = quantize_int8(model) if int8 else model
+    prompts = torch.randint(0, 32, (1, 9), generator=gen)
+    tokens = list(torch.randint(0, 32, (6, 1), generator=gen))
+    one_by_one = decode_model(model, 1)
+    for block in one_by_one.blocks:
+        assert block.row is not None
+        block.row = None
+    want, want_cache = steps_of(one_by_one, prompts, tokens)
+    calls = {"row": 0}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls["row"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("recurrent_block_row", "attention_block_row"):
+        monkeypatch.setattr(fused_step, name, counted(getattr(fused_step, name)))
+    for name in ("rms_norm_step", "recurrent_step", "attention_step", "gelu_product_step"):
+        monkeypatch.setattr(fused_step, name, None)  # a step that fell back to the kernels one by one would fail
+    got, got_cache = steps_of(decode_model(model, 1), prompts, tokens)
+    assert calls["row"] == len(tokens) * len(model.blocks)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= tol * scale
+    for name, t in want_cache.tensors().items():
+        torch.testing.assert_close(got_cache.tensors()[name].float(), t.float(), rtol=tol, atol=tol * scale, msg=name)
+
+
 @pytest.mark.parametrize("variant", ["complex_lru", "float64"])
 @torch.no_grad()
 def test_blocks_the_kernels_cannot_read_go_through_the_block(gen, variant):

@@ -16,13 +16,17 @@ from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, 
 from griffin.layers.recurrent_block import RecurrentState
 from griffin.layers.rope import rope_angles
 from griffin.ops.decode_step import (
+    BlockRow,
     RecurrentWeights,
+    attention_block_row,
     attention_step,
     gelu_product_step,
     narrow,
+    recurrent_block_row,
     recurrent_step,
     rms_norm_step,
 )
+from griffin.ops.matvec.cpu import MatvecWeights
 from tests.conftest import perturb_, seed_torch
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -243,3 +247,32 @@ def test_bad_input_is_named(gen):
                        torch.float32)
     with pytest.raises(ValueError, match="0 < slots <= S"):
         attention_step(torch.zeros(2, 32), None, k, k.clone(), seg, count, seg[:, :1], True, 6, 1.0, torch.float32)
+
+
+def test_block_row_bad_input_is_named(gen):
+    """The one-row block step (:func:`recurrent_block_row`, :func:`attention_block_row`): projections that do not fit
+    the width, a row or a cache of the wrong shape or dtype, get named errors before any kernel runs."""
+    block, _, state = recurrent_case(gen, torch.float32, 1, 24, 4, 4)
+    lru = block.rg_lru
+    gates = (lru.input_gate.w, lru.input_gate.b), (lru.a_gate.w, lru.a_gate.b)
+    weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, *gates, lru.a_param, lru.c)
+    D, R, M = 16, 24, 40
+    mixer_in, mixer_out, up, down = (MatvecWeights.prepare([torch.randn(n, k, generator=gen)])
+                                     for n, k in ((2 * R, D), (D, R), (2 * M, D), (D, M)))
+    scales = (torch.zeros(D), torch.zeros(D))
+    row = BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
+    with pytest.raises(ValueError, match=r"do not fit width 16"):
+        BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, down, up, "tanh")
+    with pytest.raises(ValueError, match="norm scales must be contiguous"):
+        BlockRow.prepare((scales[0], torch.zeros(D).bfloat16()), (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
+    with pytest.raises(ValueError, match="approximation"):
+        BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "erf")
+    with pytest.raises(ValueError, match=r"x must be a contiguous \(16,\) torch.float32 CPU row"):
+        recurrent_block_row(torch.zeros(1, D), row, weights, state.conv, state.h)
+    with pytest.raises(ValueError, match="h \\(1, 24\\) float32"):
+        recurrent_block_row(torch.zeros(D), row, weights, state.conv, state.h.double())
+    out = recurrent_block_row(torch.randn(D, generator=gen), row, weights, state.conv, state.h)
+    assert out.shape == (D,) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    k, seg, count = torch.zeros(1, 5, 1, 8), torch.full((1, 5), EMPTY), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="attention_block_row: for a cache of"):  # 3 heads of 8 need 40 in, not 48
+        attention_block_row(torch.zeros(D), row, None, k, k.clone(), seg, count, seg[:, :1], True, 5, 1.0)

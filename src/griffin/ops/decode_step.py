@@ -9,7 +9,9 @@ model (about 150 per layer and step) cost more than their arithmetic. Each kerne
 computes for one token per row without document starts or padding (every decode step), from tensors in their stored
 dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
-before using them). e^x and the sigmoid are the fused RG-LRU kernel's
+before using them). At one row, a residual block's whole step is one call (:func:`recurrent_block_row`,
+:func:`attention_block_row`): these kernels around its four weight matmuls
+(:func:`griffin.ops.matvec.cpu.matvec_row`). e^x and the sigmoid are the fused RG-LRU kernel's
 (:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a
 scalar call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
 :class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`):
@@ -30,7 +32,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
-from griffin.ops.matvec.cpu import block_product, storage, widen
+from griffin.ops.matvec import cpu as matvec_module
+from griffin.ops.matvec.cpu import MatvecWeights, block_product, matvec_row, storage, widen
 from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
@@ -354,6 +357,11 @@ class RecurrentWeights:
         log_a_scale = (-c * torch.nn.functional.softplus(a_param.detach().float())).contiguous()
         return cls(*(storage(t.detach()) for t in tensors.values()), log_a_scale.numpy(), R)
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(conv_w, conv_b, gate_x_w, gate_x_b, gate_a_w, gate_a_b, log_a_scale), as the kernels take them."""
+        return (self.conv_w, self.conv_b, self.gate_x_w, self.gate_x_b, self.gate_a_w, self.gate_a_b,
+                self.log_a_scale)
+
 
 def rms_norm_step(x: Tensor, scale: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """RMSNorm (:class:`griffin.layers.RMSNorm`) of rows x (B, D), or of x + delta (the residual add before it):
@@ -401,8 +409,7 @@ def recurrent_step(y_u: Tensor, conv_state: Tensor, h: Tensor, weights: Recurren
     if h.dtype != torch.float32 or conv_state.dtype != dtype:
         raise ValueError(f"recurrent_step: h must be float32 and conv_state {dtype}, got {h.dtype}, {conv_state.dtype}")
     out = torch.empty(B, R, dtype=dtype)
-    _recurrent_kernel(storage(y_u.contiguous()), storage(conv_state), weights.conv_w, weights.conv_b, weights.gate_x_w,
-                      weights.gate_x_b, weights.gate_a_w, weights.gate_a_b, weights.log_a_scale, h.numpy(),
+    _recurrent_kernel(storage(y_u.contiguous()), storage(conv_state), *weights.arrays(), h.numpy(),
                       _exact(approximation), storage(out))
     return out
 
@@ -450,3 +457,152 @@ def _exact(approximation: str) -> bool:
     if approximation not in ("none", "tanh"):
         raise ValueError(f"decode_step: GeLU approximation must be 'none' or 'tanh', got {approximation!r}")
     return approximation == "none"
+
+
+# A residual block's whole step at one row, in one call: the kernels above around the block's four weight matmuls
+# (``matvec_row``), so that a 1-3B model's decode step at batch 1 makes one call from Python per block instead of about
+# eight (each with its checks, views and allocations, which the weights streamed in between have evicted from the
+# caches).
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _mlp_half(x, mixed, scale, eps, up, down, exact, fast, out):  # type: ignore[no-untyped-def]
+    """The channel half of a residual block for one row x (D,): residual = x + mixed (the temporal block's output in
+    float32, first rounded as its layer's output), RMSNorm, the gated MLP (``up``, ``down``: :func:`matvec_row`'s
+    matrices), out = residual + its output, everything rounded where the model rounds."""
+    like = out.dtype.type(0)
+    D = x.shape[0]
+    residual, normed = np.empty_like(x), np.empty_like(x)
+    for d in range(D):
+        residual[d] = narrow(widen(x[d]) + _rounded(mixed[d], like), like)
+    _normalise(residual, scale, eps, normed)
+    gate_up = np.empty((1, up[3].shape[0]), np.float32)
+    matvec_row(normed, up[0], up[1], up[2], up[3], up[4], fast, gate_up[0])
+    hidden = np.empty((1, gate_up.shape[1] // 2), x.dtype)
+    _gelu_product_kernel(gate_up, exact, hidden)
+    down_out = np.empty(D, np.float32)
+    matvec_row(hidden[0], down[0], down[1], down[2], down[3], down[4], fast, down_out)
+    for d in range(D):
+        out[d] = narrow(widen(residual[d]) + _rounded(down_out[d], like), like)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _recurrent_row_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, fast, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """A residual block with a recurrent temporal block (Figure 2a, c) for one row x (D,) into out (D,)."""
+    normed = np.empty_like(x)
+    _normalise(x, norms[0], norms[1], normed)
+    y_u = np.empty((1, mixer_in[3].shape[0]), np.float32)
+    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], fast, y_u[0])
+    hidden = np.empty((1, y_u.shape[1] // 2), x.dtype)
+    _recurrent_kernel(y_u, conv_state, *rec, h, exact, hidden)
+    mixed = np.empty(x.shape[0], np.float32)
+    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], fast, mixed)
+    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, fast, out)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _attention_row_kernel(x, norms, mixer_in, mixer_out, up, down, cos, sin, k_cache, v_cache, seg_cache, count,  # type: ignore[no-untyped-def]  # noqa: E501
+                          segments, local, slots, scale, per_task, exact, fast, out):
+    """A residual block with multi-query attention (Figure 2a, Section 2.3) for one row x (D,) into out (D,)."""
+    normed = np.empty_like(x)
+    _normalise(x, norms[0], norms[1], normed)
+    qkv = np.empty((1, mixer_in[3].shape[0]), np.float32)
+    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], fast, qkv[0])
+    hidden = np.empty((1, mixer_out[0][0].shape[1]), x.dtype)
+    _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task,
+                      hidden)
+    mixed = np.empty(x.shape[0], np.float32)
+    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], fast, mixed)
+    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, fast, out)
+
+
+@dataclass
+class BlockRow:
+    """A residual block's weights as its one-row step reads them, prepared once (views, no copies): the two RMSNorms'
+    scales and eps, the temporal block's input and output projections (``mixer_in``: the recurrent block's two
+    branches or attention's q/k/v; ``mixer_out``) and the MLP's (``up``: its two branches; ``down``) as
+    :meth:`griffin.ops.matvec.cpu.MatvecWeights.kernel_args`, and whether the GeLU is exact."""
+
+    norms: tuple[np.ndarray, float, np.ndarray, float]
+    mixer_in: tuple
+    mixer_out: tuple
+    up: tuple
+    down: tuple
+    exact: bool
+    dtype: torch.dtype
+    width: int
+
+    @classmethod
+    def prepare(cls, norm_scales: tuple[Tensor, Tensor], eps: tuple[float, float], mixer_in: MatvecWeights,
+                mixer_out: MatvecWeights, up: MatvecWeights, down: MatvecWeights, approximation: str) -> BlockRow:
+        dtype, D = norm_scales[0].dtype, norm_scales[0].shape[0]
+        for name, t in (("temporal norm scale", norm_scales[0]), ("channel norm scale", norm_scales[1])):
+            _check_dtype(name, t)
+            if t.dtype != dtype or t.shape != (D,) or not t.is_contiguous():
+                raise ValueError(f"BlockRow: the norm scales must be contiguous ({D},) {dtype}, got {name} "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        shapes = [(m.in_features, m.out_features) for m in (mixer_in, mixer_out, up, down)]
+        if (mixer_in.in_features != D or mixer_out.out_features != D or up.in_features != D or up.out_features % 2
+                or down.in_features != up.out_features // 2 or down.out_features != D):
+            raise ValueError(f"BlockRow: the projections (in, out) {shapes} (mixer in, mixer out, MLP up, MLP down) do "
+                             f"not fit width {D}")
+        norms = (storage(norm_scales[0].detach()), float(eps[0]), storage(norm_scales[1].detach()), float(eps[1]))
+        return cls(norms, mixer_in.kernel_args(), mixer_out.kernel_args(), up.kernel_args(), down.kernel_args(),
+                   _exact(approximation), dtype, D)
+
+
+def _check_row(x: Tensor, block: BlockRow) -> None:
+    if x.shape != (block.width,) or x.dtype != block.dtype or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"block step: x must be a contiguous ({block.width},) {block.dtype} CPU row, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+
+
+def recurrent_block_row(x: Tensor, block: BlockRow, weights: RecurrentWeights, conv_state: Tensor, h: Tensor) -> Tensor:
+    """A residual block with a recurrent temporal block, one token of one row x (D,) (the residual stream) in one
+    call: what :class:`griffin.model.ResidualBlock` computes, through :func:`rms_norm_step`'s, :func:`recurrent_step`'s
+    and :func:`gelu_product_step`'s kernels around the four weight matmuls (the block's state, ``conv_state`` (1,
+    K-1, R) and ``h`` (1, R) float32, updated in place). Returns the block's output (D,) in x's dtype."""
+    _check_row(x, block)
+    R = weights.width
+    if conv_state.shape != (1, weights.conv_w.shape[0] - 1, R) or conv_state.dtype != x.dtype or h.shape != (1, R) \
+            or h.dtype != torch.float32 or block.mixer_in[3].shape[0] != 2 * R or block.mixer_out[0][0].shape[1] != R:
+        raise ValueError(f"recurrent_block_row: for width {R}, conv_state must be (1, {weights.conv_w.shape[0] - 1}, "
+                         f"{R}) {x.dtype} and h (1, {R}) float32 (got {tuple(conv_state.shape)} {conv_state.dtype}, "
+                         f"{tuple(h.shape)} {h.dtype}), the block's projections {2 * R} wide in and {R} out")
+    out = torch.empty_like(x)
+    _recurrent_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
+                          storage(conv_state), h.numpy(), weights.arrays(), block.exact, bool(matvec_module.FAST_DOTS),
+                          storage(out))
+    return out
+
+
+def attention_block_row(x: Tensor, block: BlockRow, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor,
+                        v_cache: Tensor, segment_cache: Tensor, count: Tensor, segments: Tensor, local: bool,
+                        slots: int, scale: float) -> Tensor:
+    """A residual block with multi-query attention, one token of one row x (D,) in one call (the caches as
+    :func:`attention_step` takes them, updated in place). Returns the block's output (D,) in x's dtype."""
+    _check_row(x, block)
+    _, S, Hk, d = k_cache.shape
+    H = block.mixer_out[0][0].shape[1] // d
+    if (k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape or block.mixer_in[3].shape[0] != (H + 2 * Hk) * d
+            or H < Hk or H % Hk or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or not 0 < slots <= S
+            or segment_cache.shape != (1, S) or count.shape != (1,) or segments.shape != (1, 1)
+            or any(t.dtype != torch.int64 for t in (segment_cache, count, segments))
+            or not all(t.is_contiguous() for t in (k_cache, v_cache, segment_cache, count))):
+        raise ValueError(f"attention_block_row: for a cache of {tuple(k_cache.shape)} (1, S, H_kv, d) and projections "
+                         f"{block.mixer_in[3].shape[0]} wide in and {H * d} out, v_cache must be like k_cache, both "
+                         f"contiguous {x.dtype}, segment_cache (1, S), count (1,) and segments (1, 1) int64, 0 < slots "
+                         f"<= S; got {tuple(v_cache.shape)} {k_cache.dtype}/{v_cache.dtype}, "
+                         f"{tuple(segment_cache.shape)}, {tuple(count.shape)}, {tuple(segments.shape)}, slots {slots}")
+    cos, sin = (torch.empty(1, 0), torch.empty(1, 0)) if rope is None else (t.reshape(1, -1) for t in rope)
+    if cos.dtype not in STEP_DTYPES or sin.dtype != cos.dtype or sin.shape != cos.shape or 2 * cos.shape[1] > d:
+        raise ValueError(f"attention_block_row: rope must be float32 or bfloat16 (cos, sin), each (1, 1, half) with "
+                         f"half <= {d // 2}, got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
+    tasks = max(1, -(-numba.get_num_threads() // Hk))
+    out = torch.empty_like(x)
+    _attention_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
+                          storage(cos.contiguous()), storage(sin.contiguous()), storage(k_cache), storage(v_cache),
+                          segment_cache.numpy(), count.numpy(), segments.reshape(1).numpy(), local, slots,
+                          float(scale), -(-(H // Hk) // tasks), block.exact, bool(matvec_module.FAST_DOTS),
+                          storage(out))
+    return out

@@ -481,6 +481,10 @@ class MatvecWeights:
         return cls(arrays, tiles_for([w.shape[0] for w in weights]).numpy(), scale.contiguous().numpy(),
                    bias.contiguous().numpy(), sums.numpy(), K, int(scale.shape[0]), len(weights))
 
+    def kernel_args(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(arrays, tiles, scale, bias, sums): the matrices as :func:`matvec_row` reads them."""
+        return self.arrays, self.tiles, self.scale, self.bias, self.sums
+
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
     """x (..., K) times the prepared matrices (transposed), plus biases, concatenated: (..., N) in ``out_dtype``
@@ -524,24 +528,72 @@ def _int8_rows(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> bool:
 
 
 def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
-    """out (N,) = x (K,) times the prepared matrices, one parallel region over all of them: through the host's
-    multiply-accumulate instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`) for bfloat16 x and weights, and for
-    int8 weights and a finite x (rounded to int16 steps, :func:`griffin.ops.matvec.reference.quantize_row_int16`);
-    else widened to float32 (:func:`_one_row_kernel`)."""
-    dtype = prepared.arrays[0].dtype
-    bits = _widen_view(x)
-    if dtype == np.uint16 and x.dtype == torch.bfloat16 and "bfloat16" in FAST_DOTS:
-        _one_row_bf16_kernel(bits, prepared.arrays, prepared.tiles, prepared.bias, out)
-        return
-    if dtype == np.int8 and "int8" in FAST_DOTS:
-        high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
-        step = _quantize_row_int16(bits, high, low)
-        if step:  # else an inf or NaN entry, which int16 steps cannot hold
-            _one_row_int8_kernel(high, low, step, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale,
-                                 prepared.bias, out)
-            return
-    xf = bits if bits.dtype == np.float32 else x.to(torch.float32).contiguous().numpy()
-    _one_row_kernel(xf, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out)
+    """out (N,) = x (K,) times the prepared matrices (:func:`matvec_row`)."""
+    _matvec_row_kernel(_widen_view(x), *prepared.kernel_args(), bool(FAST_DOTS), out)
+
+
+def matvec_row(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+    """out (N,) float32 = x (K,) (float32, or bfloat16 as its uint16 bits) times matrices prepared as
+    :class:`MatvecWeights` holds them (:meth:`MatvecWeights.kernel_args`), one parallel region over all of them. With
+    ``fast`` (and where the host has the instruction, :data:`griffin.ops.matvec.isa.FAST_DOTS`): bfloat16 x and
+    weights through ``vdpbf16ps`` (:func:`_one_row_bf16_kernel`); int8 weights and a finite x through ``vpdpbusd``, x
+    rounded to int16 steps (:func:`_one_row_int8_kernel`, :func:`griffin.ops.matvec.reference.quantize_row_int16`);
+    anything else widened to float32 (:func:`_one_row_kernel`). For numba code (the fused decode step of a residual
+    block); from Python, :func:`matvec_cpu`."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+def _as_float32(x):  # type: ignore[no-untyped-def]
+    """x (K,) as float32: a widened copy of bfloat16 bits, float32 as it is (numba only)."""
+    raise NotImplementedError
+
+
+@overload(_as_float32, inline="always")
+def _as_float32_impl(x):  # type: ignore[no-untyped-def]
+    if x.dtype == types.float32:
+        return lambda x: x
+
+    def widened(x):  # type: ignore[no-untyped-def]
+        out = np.empty(x.shape[0], np.float32)
+        for k in range(x.shape[0]):
+            out[k] = widen(x[k])
+        return out
+
+    return widened
+
+
+@overload(matvec_row)
+def _matvec_row(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+    stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
+    if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in FAST_DOTS:
+        def bf16(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+            if fast:
+                _one_row_bf16_kernel(x, arrays, tiles, bias, out)
+            else:
+                _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, out)
+
+        return bf16
+    if stored == types.int8 and "int8" in FAST_DOTS:
+        def int8(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+            if fast:
+                high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
+                step = _quantize_row_int16(x, high, low)
+                if step:  # else an inf or NaN entry, which int16 steps cannot hold
+                    _one_row_int8_kernel(high, low, step, arrays, tiles, sums, scale, bias, out)
+                    return
+            _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, out)
+
+        return int8
+
+    def widened(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+        _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, out)
+
+    return widened
+
+
+@numba.njit(cache=True)
+def _matvec_row_kernel(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+    matvec_row(x, arrays, tiles, scale, bias, sums, fast, out)
 
 
 # An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the
