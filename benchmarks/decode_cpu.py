@@ -9,7 +9,7 @@ and reports:
 - ms per step (each row of the batch gets one token per step) and tokens/s (batch / step time);
 - weight bytes read per second (the model's parameters and buffers, once per step), as a fraction of the machine's
   read bandwidth, measured in the same run: a warm ``sum`` over a 1 GiB float32 tensor, best of 7, just before each
-  model and weight dtype and at the end, and over 256 MiB once after each round of timed steps
+  model and weight dtype and at the end, and over 128 MiB once after each round of timed steps
   (:func:`interleaved_steps`);
   fractions of the best of all the best-of-7s, of the one just before, and of the median of those between the steps
   (the machine is shared and its read rate moves by 2x within minutes: only the last saw the steps' phases);
@@ -333,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time each int8 run of several rows without the kernel's prefetch of the weights ahead, "
                         "a step of each in turn")
     p.add_argument("--read-gib", type=float, default=1.0,
-                   help="GiB of float32 summed for the read rate before each model and dtype (between the steps: a "
-                        "quarter of it, so that a 2B float32 model's prepacked copy at batch 8 still fits 24 GiB)")
+                   help="GiB of float32 summed for the read rate before each model and dtype (between the steps: an "
+                        "eighth of it, so that a 2B float32 model's prepacked copy at batch 8 still fits 24 GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode_cpu.json")
     args = p.parse_args(argv)
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.no_prefetch_too and dtype == "int8" and b > 1:
                     runs.append(("griffin, no prefetch", model, without_prefetch))
                 times, rates = interleaved_steps([m for _, m, _ in runs], prompts_of[b], args.warmup, args.steps,
-                                                 args.compile, read_tensor(args.read_gib / 4), [s for _, _, s in runs])
+                                                 args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs])
                 for (path, _, _), t in zip(runs, times, strict=True):
                     record(t, name, path, dtype, b, wbytes, rates)
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
