@@ -461,8 +461,8 @@ def _exact(approximation: str) -> bool:
 
 # A residual block's whole step at one row, in one call: the kernels above around the block's four weight matmuls
 # (``matvec_row``), so that a 1-3B model's decode step at batch 1 makes one call from Python per block instead of about
-# eight (each with its checks, views and allocations, which the weights streamed in between have evicted from the
-# caches).
+# eight (each with its checks, views and allocations, run with caches that the weights streamed in between had
+# emptied).
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)

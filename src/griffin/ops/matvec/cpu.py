@@ -593,6 +593,7 @@ def _matvec_row(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore
 
 @numba.njit(cache=True)
 def _matvec_row_kernel(x, arrays, tiles, scale, bias, sums, fast, out):  # type: ignore[no-untyped-def]
+    """:func:`matvec_row`, called from Python."""
     matvec_row(x, arrays, tiles, scale, bias, sums, fast, out)
 
 
