@@ -10,9 +10,9 @@ and reports:
 - weight bytes read per second (the model's parameters and buffers, once per step), as a fraction of the machine's
   read bandwidth, measured in the same run: a warm ``sum`` over a 1 GiB float32 tensor, best of 7, just before each
   model and weight dtype and at the end, and over 128 MiB once after each round of timed steps
-  (:func:`interleaved_steps`);
-  fractions of the best of all the best-of-7s, of the one just before, and of the median of those between the steps
-  (the machine is shared and its read rate moves by 2x within minutes: only the last saw the steps' phases);
+  (:func:`interleaved_steps`); fractions of the best of all the best-of-7s, of the one just before, and of the median
+  of those between the steps (the machine is shared and its read rate moves by 2x within minutes: only the last saw
+  the steps' phases);
 - for the ``recurrentgemma-2b`` shape, HF transformers' ``RecurrentGemmaForCausalLM`` on the same weights in
   bfloat16 (written by :func:`griffin.interop.export_hf`, loaded by transformers), timed through its ``generate``
   between consecutive calls of its forward pass.
