@@ -103,8 +103,11 @@ def test_one_row_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype,
     attention_block_row: the same kernels around the block's four matmuls, global attention and a local ring of 6
     slots that wraps after the 9-token prompt): each block makes exactly one such call per step, and the logits and
     caches of 6 steps equal those of the same copy calling the kernels one by one. LLVM may vectorise a kernel's sums
-    differently inside the one call, so float32 agrees to its rounding; bfloat16 and int8 to the tolerance of
-    :func:`test_fused_step_equals_the_unfused_copy` (a float32 difference can flip a bfloat16 rounding)."""
+    differently inside the one call, so float32 agrees to its rounding. In bfloat16 and int8 the kernels round where
+    the model rounds: at least 95% of the logits' and float caches' entries are the same bits, the rest within the
+    tolerance of :func:`test_fused_step_equals_the_unfused_copy` (a float32 difference can flip a bfloat16 rounding;
+    a rounding left out of the one call, which that tolerance alone lets through, changes most entries: mutation
+    ``decode-block-row-rounding``)."""
     int8 = dtype == "int8"
     model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
     model = quantize_int8(model) if int8 else model
@@ -134,6 +137,11 @@ def test_one_row_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype,
     assert (got - want).abs().max() <= tol * scale
     for name, t in want_cache.tensors().items():
         torch.testing.assert_close(got_cache.tensors()[name].float(), t.float(), rtol=tol, atol=tol * scale, msg=name)
+    if dtype != torch.float32:
+        pairs = [(got, want)] + [(got_cache.tensors()[n], t) for n, t in want_cache.tensors().items()
+                                 if t.is_floating_point()]
+        same = sum((g == w).sum().item() for g, w in pairs) / sum(w.numel() for _, w in pairs)
+        assert same >= 0.95, f"{same:.1%} of the entries bit for bit"
 
 
 @pytest.mark.parametrize("variant", ["complex_lru", "float64"])
