@@ -269,10 +269,13 @@ def test_block_row_bad_input_is_named(gen):
         BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "erf")
     with pytest.raises(ValueError, match=r"x must be a contiguous \(16,\) torch.float32 CPU row"):
         recurrent_block_row(torch.zeros(1, D), row, weights, state.conv, state.h)
-    with pytest.raises(ValueError, match="h \\(1, 24\\) float32"):
+    with pytest.raises(ValueError, match="recurrent_block_row: h must be float32"):
         recurrent_block_row(torch.zeros(D), row, weights, state.conv, state.h.double())
     out = recurrent_block_row(torch.randn(D, generator=gen), row, weights, state.conv, state.h)
     assert out.shape == (D,) and out.dtype == torch.float32 and torch.isfinite(out).all()
     k, seg, count = torch.zeros(1, 5, 1, 8), torch.full((1, 5), EMPTY), torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match="attention_block_row: for a cache of"):  # 3 heads of 8 need 40 in, not 48
+    with pytest.raises(ValueError, match="attention_block_row: the output projection reads 24 inputs, not the 4 heads"):
         attention_block_row(torch.zeros(D), row, None, k, k.clone(), seg, count, seg[:, :1], True, 5, 1.0)
+    k7 = torch.zeros(1, 5, 1, 7)  # heads of 7: no head count makes the projections' 48 outputs
+    with pytest.raises(ValueError, match="attention_block_row: for a cache of"):
+        attention_block_row(torch.zeros(D), row, None, k7, k7.clone(), seg, count, seg[:, :1], True, 5, 1.0)

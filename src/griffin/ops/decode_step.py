@@ -393,25 +393,61 @@ def gelu_product_step(gate_up: Tensor, approximation: str, dtype: torch.dtype) -
     return out
 
 
+def _check_recurrent(name: str, y_u_shape: tuple[int, ...], conv_state: Tensor, h: Tensor, weights: RecurrentWeights,
+                     dtype: torch.dtype) -> None:
+    """The recurrent kernel's inputs: its projections' rows y_u (B, 2R), the block's cache ``conv_state`` (B, K-1, R)
+    in ``dtype`` and ``h`` (B, R) float32."""
+    B, R, K = y_u_shape[0], weights.width, weights.conv_w.shape[0]
+    if y_u_shape != (B, 2 * R) or conv_state.shape != (B, K - 1, R) or h.shape != (B, R):
+        raise ValueError(f"{name}: for width {R}, y_u must be (B, {2 * R}), conv_state (B, {K - 1}, {R}) and h (B, "
+                         f"{R}), got {y_u_shape}, {tuple(conv_state.shape)}, {tuple(h.shape)}")
+    if h.dtype != torch.float32 or conv_state.dtype != dtype:
+        raise ValueError(f"{name}: h must be float32 and conv_state {dtype}, got {h.dtype}, {conv_state.dtype}")
+
+
 def recurrent_step(y_u: Tensor, conv_state: Tensor, h: Tensor, weights: RecurrentWeights, approximation: str,
                    dtype: torch.dtype) -> Tensor:
     """The recurrent block between its projections for one token per row (:func:`_recurrent_kernel`): y_u (B, 2R) =
     [y, u] the two branches' projections, ``conv_state`` (B, K-1, R) (in ``dtype``, the model's) and ``h`` (B, R)
     float32 the block's cache, updated in place. Returns the input of the output projection (B, R) in ``dtype``."""
-    B = y_u.shape[0]
-    R = weights.width
     _check_dtype("y_u", y_u)
     _check_out_dtype(dtype)
-    if y_u.shape != (B, 2 * R) or conv_state.shape != (B, weights.conv_w.shape[0] - 1, R) or h.shape != (B, R):
-        raise ValueError(f"recurrent_step: for width {R}, y_u must be (B, {2 * R}), conv_state (B, "
-                         f"{weights.conv_w.shape[0] - 1}, {R}) and h (B, {R}), got {tuple(y_u.shape)}, "
-                         f"{tuple(conv_state.shape)}, {tuple(h.shape)}")
-    if h.dtype != torch.float32 or conv_state.dtype != dtype:
-        raise ValueError(f"recurrent_step: h must be float32 and conv_state {dtype}, got {h.dtype}, {conv_state.dtype}")
+    _check_recurrent("recurrent_step", tuple(y_u.shape), conv_state, h, weights, dtype)
+    B, R = y_u.shape[0], weights.width
     out = torch.empty(B, R, dtype=dtype)
     _recurrent_kernel(storage(y_u.contiguous()), storage(conv_state), *weights.arrays(), h.numpy(),
                       _exact(approximation), storage(out))
     return out
+
+
+def _attention_arguments(name: str, qkv_shape: tuple[int, ...], rope: tuple[Tensor, Tensor] | None, k_cache: Tensor,
+                         v_cache: Tensor, segment_cache: Tensor, count: Tensor, segments: Tensor, local: bool,
+                         slots: int, scale: float, dtype: torch.dtype) -> tuple[int, int, tuple]:
+    """The attention kernel's inputs after qkv, checked (:func:`attention_step`'s): (H, d, (cos, sin, k_cache, v_cache,
+    segment_cache, count, segments, local, slots, scale, query heads per task)) for rows of qkv ``qkv_shape``."""
+    B, S, Hk, d = k_cache.shape
+    H = qkv_shape[-1] // d - 2 * Hk if len(qkv_shape) == 2 else 0
+    if (len(qkv_shape) != 2 or qkv_shape[0] != B or H < Hk or H % Hk or qkv_shape[1] != (H + 2 * Hk) * d
+            or v_cache.shape != k_cache.shape or segment_cache.shape != (B, S) or count.shape != (B,)
+            or segments.shape != (B, 1) or not 0 < slots <= S):
+        raise ValueError(f"{name}: for a cache of {tuple(k_cache.shape)} (B, S, H_kv, d), qkv must be (B, (H + 2 "
+                         f"H_kv) d) with H a multiple of H_kv, v_cache like k_cache, segment_cache (B, S), count (B,), "
+                         f"segments (B, 1) and 0 < slots <= S; got qkv {qkv_shape}, v_cache {tuple(v_cache.shape)}, "
+                         f"segment_cache {tuple(segment_cache.shape)}, count {tuple(count.shape)}, segments "
+                         f"{tuple(segments.shape)}, slots {slots}")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{name}: the caches must be contiguous {dtype}, got {k_cache.dtype}, {v_cache.dtype}")
+    if any(t.dtype != torch.int64 for t in (segment_cache, count, segments)) or not (
+            segment_cache.is_contiguous() and count.is_contiguous()):
+        raise ValueError(f"{name}: segment_cache, count (contiguous: written in place) and segments must be int64")
+    cos, sin = (torch.empty(B, 0), torch.empty(B, 0)) if rope is None else (t.reshape(B, -1) for t in rope)
+    if cos.dtype not in STEP_DTYPES or sin.dtype != cos.dtype or sin.shape != cos.shape or 2 * cos.shape[1] > d:
+        raise ValueError(f"{name}: rope must be float32 or bfloat16 (cos, sin), each (B, 1, half) with half <= "
+                         f"{d // 2}, got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
+    tasks = max(1, -(-numba.get_num_threads() // (B * Hk)))  # tasks per row and key/value head
+    return H, d, (storage(cos.contiguous()), storage(sin.contiguous()), storage(k_cache), storage(v_cache),
+                  segment_cache.numpy(), count.numpy(), segments.reshape(B).contiguous().numpy(), local, slots,
+                  float(scale), -(-(H // Hk) // tasks))
 
 
 def attention_step(qkv: Tensor, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor, v_cache: Tensor,
@@ -423,33 +459,12 @@ def attention_step(qkv: Tensor, rope: tuple[Tensor, Tensor] | None, k_cache: Ten
     d) in ``dtype``, segment_cache (B, S) and count (B,) int64: local a ring of S slots, global one slot per step, of
     which the first ``slots`` are read), updated in place, and ``segments`` (B, 1) the tokens' document ids. Returns
     the input of the output projection (B, H d) in ``dtype``."""
-    B, S, Hk, d = k_cache.shape
     _check_dtype("qkv", qkv)
     _check_out_dtype(dtype)
-    H = qkv.shape[-1] // d - 2 * Hk if qkv.dim() == 2 else 0
-    if (qkv.dim() != 2 or qkv.shape[0] != B or H < Hk or H % Hk or qkv.shape[1] != (H + 2 * Hk) * d
-            or v_cache.shape != k_cache.shape or segment_cache.shape != (B, S) or count.shape != (B,)
-            or segments.shape != (B, 1) or not 0 < slots <= S):
-        raise ValueError(f"attention_step: for a cache of {tuple(k_cache.shape)} (B, S, H_kv, d), qkv must be (B, "
-                         f"(H + 2 H_kv) d) with H a multiple of H_kv, v_cache like k_cache, segment_cache (B, S), "
-                         f"count (B,), segments (B, 1) and 0 < slots <= S; got qkv {tuple(qkv.shape)}, v_cache "
-                         f"{tuple(v_cache.shape)}, segment_cache {tuple(segment_cache.shape)}, count "
-                         f"{tuple(count.shape)}, segments {tuple(segments.shape)}, slots {slots}")
-    if k_cache.dtype != dtype or v_cache.dtype != dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"attention_step: the caches must be contiguous {dtype}, got {k_cache.dtype}, {v_cache.dtype}")
-    if any(t.dtype != torch.int64 for t in (segment_cache, count, segments)) or not (
-            segment_cache.is_contiguous() and count.is_contiguous()):
-        raise ValueError("attention_step: segment_cache, count (contiguous: written in place) and segments must be "
-                         "int64")
-    cos, sin = (torch.empty(B, 0), torch.empty(B, 0)) if rope is None else (t.reshape(B, -1) for t in rope)
-    if cos.dtype not in STEP_DTYPES or sin.dtype != cos.dtype or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"attention_step: rope must be float32 or bfloat16 (cos, sin), each (B, 1, half) with half <= "
-                         f"{d // 2}, got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
-    tasks = max(1, -(-numba.get_num_threads() // (B * Hk)))  # tasks per row and key/value head
-    out = torch.empty(B, H * d, dtype=dtype)
-    _attention_kernel(storage(qkv.contiguous()), storage(cos.contiguous()), storage(sin.contiguous()), storage(k_cache),
-                      storage(v_cache), segment_cache.numpy(), count.numpy(), segments.reshape(B).contiguous().numpy(),
-                      local, slots, float(scale), -(-(H // Hk) // tasks), storage(out))
+    H, d, cache = _attention_arguments("attention_step", tuple(qkv.shape), rope, k_cache, v_cache, segment_cache,
+                                       count, segments, local, slots, scale, dtype)
+    out = torch.empty(qkv.shape[0], H * d, dtype=dtype)
+    _attention_kernel(storage(qkv.contiguous()), *cache, storage(out))
     return out
 
 
@@ -563,12 +578,10 @@ def recurrent_block_row(x: Tensor, block: BlockRow, weights: RecurrentWeights, c
     and :func:`gelu_product_step`'s kernels around the four weight matmuls (the block's state, ``conv_state`` (1,
     K-1, R) and ``h`` (1, R) float32, updated in place). Returns the block's output (D,) in x's dtype."""
     _check_row(x, block)
-    R = weights.width
-    if conv_state.shape != (1, weights.conv_w.shape[0] - 1, R) or conv_state.dtype != x.dtype or h.shape != (1, R) \
-            or h.dtype != torch.float32 or block.mixer_in[3].shape[0] != 2 * R or block.mixer_out[0][0].shape[1] != R:
-        raise ValueError(f"recurrent_block_row: for width {R}, conv_state must be (1, {weights.conv_w.shape[0] - 1}, "
-                         f"{R}) {x.dtype} and h (1, {R}) float32 (got {tuple(conv_state.shape)} {conv_state.dtype}, "
-                         f"{tuple(h.shape)} {h.dtype}), the block's projections {2 * R} wide in and {R} out")
+    _check_recurrent("recurrent_block_row", (1, block.mixer_in[3].shape[0]), conv_state, h, weights, x.dtype)
+    if block.mixer_out[0][0].shape[1] != weights.width:
+        raise ValueError(f"recurrent_block_row: the output projection reads {block.mixer_out[0][0].shape[1]} inputs, "
+                         f"not the recurrent block's width {weights.width}")
     out = torch.empty_like(x)
     _recurrent_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
                           storage(conv_state), h.numpy(), weights.arrays(), block.exact, bool(matvec_module.FAST_DOTS),
@@ -582,27 +595,12 @@ def attention_block_row(x: Tensor, block: BlockRow, rope: tuple[Tensor, Tensor] 
     """A residual block with multi-query attention, one token of one row x (D,) in one call (the caches as
     :func:`attention_step` takes them, updated in place). Returns the block's output (D,) in x's dtype."""
     _check_row(x, block)
-    _, S, Hk, d = k_cache.shape
-    H = block.mixer_out[0][0].shape[1] // d
-    if (k_cache.shape[0] != 1 or v_cache.shape != k_cache.shape or block.mixer_in[3].shape[0] != (H + 2 * Hk) * d
-            or H < Hk or H % Hk or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or not 0 < slots <= S
-            or segment_cache.shape != (1, S) or count.shape != (1,) or segments.shape != (1, 1)
-            or any(t.dtype != torch.int64 for t in (segment_cache, count, segments))
-            or not all(t.is_contiguous() for t in (k_cache, v_cache, segment_cache, count))):
-        raise ValueError(f"attention_block_row: for a cache of {tuple(k_cache.shape)} (1, S, H_kv, d) and projections "
-                         f"{block.mixer_in[3].shape[0]} wide in and {H * d} out, v_cache must be like k_cache, both "
-                         f"contiguous {x.dtype}, segment_cache (1, S), count (1,) and segments (1, 1) int64, 0 < slots "
-                         f"<= S; got {tuple(v_cache.shape)} {k_cache.dtype}/{v_cache.dtype}, "
-                         f"{tuple(segment_cache.shape)}, {tuple(count.shape)}, {tuple(segments.shape)}, slots {slots}")
-    cos, sin = (torch.empty(1, 0), torch.empty(1, 0)) if rope is None else (t.reshape(1, -1) for t in rope)
-    if cos.dtype not in STEP_DTYPES or sin.dtype != cos.dtype or sin.shape != cos.shape or 2 * cos.shape[1] > d:
-        raise ValueError(f"attention_block_row: rope must be float32 or bfloat16 (cos, sin), each (1, 1, half) with "
-                         f"half <= {d // 2}, got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
-    tasks = max(1, -(-numba.get_num_threads() // Hk))
+    H, d, cache = _attention_arguments("attention_block_row", (1, block.mixer_in[3].shape[0]), rope, k_cache, v_cache,
+                                       segment_cache, count, segments, local, slots, scale, x.dtype)
+    if block.mixer_out[0][0].shape[1] != H * d:
+        raise ValueError(f"attention_block_row: the output projection reads {block.mixer_out[0][0].shape[1]} inputs, "
+                         f"not the {H} heads of {d}")
     out = torch.empty_like(x)
-    _attention_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
-                          storage(cos.contiguous()), storage(sin.contiguous()), storage(k_cache), storage(v_cache),
-                          segment_cache.numpy(), count.numpy(), segments.reshape(1).numpy(), local, slots,
-                          float(scale), -(-(H // Hk) // tasks), block.exact, bool(matvec_module.FAST_DOTS),
-                          storage(out))
+    _attention_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, *cache,
+                          block.exact, bool(matvec_module.FAST_DOTS), storage(out))
     return out
