@@ -1,5 +1,10 @@
 """The decode-step matmul kernel against its reference, and weight-only int8 quantisation (Section 5)."""
 
+import os
+import subprocess
+import sys
+
+import numba
 import numpy as np
 import pytest
 import torch
@@ -7,7 +12,7 @@ import torch
 from griffin.ops.matvec import check_group_size, dequantize_int8, matvec_ref, quantize_int8
 from griffin.ops.matvec import cpu as matvec_module
 from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu, matvec_op, tiles_for
-from griffin.ops.matvec.isa import DOT_CHUNK, FAST_DOTS, VECTOR
+from griffin.ops.matvec.isa import DOT_CHUNK, FAST_DOTS, FAST_TILES, VECTOR, tile_config, tile_dot_int8
 from griffin.ops.matvec.reference import quantize_row_int16
 
 ROWS = (37, 16, 5)  # odd counts and a lone row: every tile shape, tiles ending inside a matrix
@@ -237,14 +242,103 @@ def test_prefetch_is_a_hint_that_reads_nothing_and_never_faults():
         touch(w[:, ::2], 0, 8, 1)
 
 
-@pytest.mark.skipif("int8" not in FAST_DOTS, reason="the several-row int8 kernel needs vpdpbusd")
+@pytest.mark.parametrize(("dtype", "rows"), [(torch.int8, 1), (torch.int8, 5), (torch.bfloat16, 1),
+                                             (torch.float32, 1)])
 @pytest.mark.parametrize("ahead", [0, 64, 4096, 1 << 30])
-def test_int8_rows_prefetch_distance_changes_no_output(gen, monkeypatch, ahead):
-    """The several-row int8 kernel prefetches its next weight blocks (none, within its block, a few blocks ahead, past
-    every matrix's end): the outputs are the same bits whatever the distance."""
-    pairs = [quantize_int8(torch.randn(n, 192, generator=gen), 0) for n in (37, 5, 22)]
-    prepared = MatvecWeights.prepare([q for q, _ in pairs], [s for _, s in pairs])
-    x = torch.randn(5, 192, generator=gen).bfloat16()
+def test_prefetch_distance_changes_no_output(gen, monkeypatch, dtype, rows, ahead):
+    """The kernels prefetch the weights ahead (none, within a row or block, a few rows ahead, past every matrix's
+    end): at one row (every dtype) and several (int8), the outputs are the same bits whatever the distance."""
+    base = [torch.randn(n, 192, generator=gen) for n in (37, 5, 22)]
+    if dtype == torch.int8:
+        pairs = [quantize_int8(w, 0) for w in base]
+        prepared = MatvecWeights.prepare([q for q, _ in pairs], [s for _, s in pairs])
+    else:
+        prepared = MatvecWeights.prepare([w.to(dtype) for w in base])
+    x = torch.randn(rows, 192, generator=gen).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
     expected = matvec_cpu(x, prepared, torch.float32)
     monkeypatch.setattr(matvec_module, "PREFETCH_BYTES", ahead)
     assert torch.equal(matvec_cpu(x, prepared, torch.float32), expected)
+
+
+needs_tiles = pytest.mark.skipif("int8" not in FAST_TILES, reason="this host has no int8 tile unit (AMX)")
+
+
+@needs_tiles
+def test_tile_product_is_the_exact_integer_sum(gen):
+    """``tile_dot_int8``: 16 weight rows from any row against 16 columns of unsigned bytes in the tile layout, over a
+    range of k, equal the int64 products, including the extreme values (w = -128 and 127 against 255)."""
+    rng = np.random.default_rng(0)
+    k = 640
+    w = rng.integers(-128, 128, (40, k)).astype(np.int8)
+    w[21, :] = -128
+    b = rng.integers(0, 256, (k, 16)).astype(np.uint8)
+    b[:, 3] = 255
+    packed = np.ascontiguousarray(b.reshape(k // 4, 4, 16).transpose(0, 2, 1).reshape(k // 4, 64))
+    out = np.empty((16, 16), np.int32)
+
+    @numba.njit
+    def call(config, w, row, packed, start, n, out):  # type: ignore[no-untyped-def]
+        tile_dot_int8(config, w, row, packed, start, n, out)
+
+    for row, start, n in ((0, 0, k), (21, 128, 384), (24, 64, 64)):
+        call(tile_config(), w, row, packed, start, n, out)
+        expected = w[row : row + 16, start : start + n].astype(np.int64) @ b[start : start + n].astype(np.int64)
+        assert np.array_equal(out, expected), (row, start, n)
+
+
+@needs_tiles
+@pytest.mark.parametrize(("k", "rows", "batch", "group_size"), [
+    (192, (37, 5, 22), 5, 0),  # tiles ending inside a matrix, a matrix of fewer than 16 rows
+    (2048, (64, 16), 8, 0),  # full tiles, one block of 8 input rows
+    (200, (33,), 13, 0),  # a group's tail past the tile products (200 = 128 + 72), two blocks of input rows
+    (384, (40,), 3, 128),  # groups of 128
+    (256, (16,), 16, 32),  # groups smaller than one tile product: the tail alone
+])
+def test_tile_kernel_equals_the_vpdpbusd_kernel_bit_for_bit(gen, monkeypatch, k, rows, batch, group_size):
+    """Several rows of int8 weights through the tile unit (AMX ``tdpbsud``): the same exact integer sums as the
+    ``vpdpbusd`` kernel's, then the same float32 operations, so the same bits; and the reference's values of x as
+    both multiply it."""
+    pairs = [quantize_int8(torch.randn(n, k, generator=gen) / k**0.5, group_size) for n in rows]
+    weights, scales = [q for q, _ in pairs], [s for _, s in pairs]
+    biases = [torch.randn(n, generator=gen) for n in rows]
+    prepared = MatvecWeights.prepare(weights, scales, biases)
+    x = torch.randn(batch, k, generator=gen).bfloat16()
+    tiled = matvec_cpu(x, prepared, torch.float32)
+    ref = matvec_ref(as_multiplied(x, weights), weights, scales, biases, out_dtype=torch.float32)
+    assert (tiled - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    monkeypatch.setattr(matvec_module, "FAST_TILES", frozenset())
+    assert torch.equal(tiled, matvec_cpu(x, prepared, torch.float32))
+
+
+def test_no_tiles_without_the_unit_or_when_asked(monkeypatch):
+    """GRIFFIN_MATVEC=no-tiles (and =generic) turns the tile unit off; a host without it reports none."""
+    from griffin.ops.matvec import isa
+
+    for setting in ("no-tiles", "generic"):
+        monkeypatch.setenv("GRIFFIN_MATVEC", setting)
+        assert isa.host_tiles() == frozenset()
+    monkeypatch.delenv("GRIFFIN_MATVEC")
+    monkeypatch.setattr(isa.llvm, "get_host_cpu_features", lambda: {"avx512f": True})
+    assert isa.host_tiles() == frozenset()
+
+
+ONE_ROW = """
+import sys, torch
+from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu
+q = torch.full((3, 256), 127, dtype=torch.int8)
+for dtype in sys.argv[1:]:
+    x = torch.full((1, 256), 3.0).to(getattr(torch, dtype))
+    print(matvec_cpu(x, MatvecWeights.prepare([q], [torch.ones(3, 1)]), torch.float32)[0, 0].item())
+"""
+
+
+def test_one_row_kernels_load_from_the_cache_in_every_specialisation(tmp_path):
+    """The cached one-row entry (a function calling parallel kernels) run from numba's cache with two
+    specialisations, bfloat16 and float32 rows, in later processes: before ``CALLS_PARALLEL`` the second one crashed
+    (numba issue 8578)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for dtypes in (["bfloat16"], ["float32"], ["float32", "bfloat16"]):
+        done = subprocess.run([sys.executable, "-c", ONE_ROW, *dtypes], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, (dtypes, done.returncode, done.stderr[-2000:])
+        assert [float(v) for v in done.stdout.split()] == pytest.approx([3.0 * 127 * 256] * len(dtypes), rel=1e-2)

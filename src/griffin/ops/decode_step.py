@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 from torch import Tensor
 
 from griffin.ops.matvec import cpu as matvec_module
-from griffin.ops.matvec.cpu import MatvecWeights, block_product, matvec_row, storage, widen
+from griffin.ops.matvec.cpu import CALLS_PARALLEL, MatvecWeights, block_product, matvec_row, storage, widen
 from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
@@ -480,8 +480,8 @@ def _exact(approximation: str) -> bool:
 # emptied).
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _mlp_half(x, mixed, scale, eps, up, down, exact, fast, out):  # type: ignore[no-untyped-def]
+@numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
+def _mlp_half(x, mixed, scale, eps, up, down, exact, settings, out):  # type: ignore[no-untyped-def]
     """The channel half of a residual block for one row x (D,): residual = x + mixed (the temporal block's output in
     float32, first rounded as its layer's output), RMSNorm, the gated MLP (``up``, ``down``: :func:`matvec_row`'s
     matrices), out = residual + its output, everything rounded where the model rounds."""
@@ -492,43 +492,43 @@ def _mlp_half(x, mixed, scale, eps, up, down, exact, fast, out):  # type: ignore
         residual[d] = narrow(widen(x[d]) + _rounded(mixed[d], like), like)
     _normalise(residual, scale, eps, normed)
     gate_up = np.empty((1, up[3].shape[0]), np.float32)
-    matvec_row(normed, up[0], up[1], up[2], up[3], up[4], fast, gate_up[0])
+    matvec_row(normed, up[0], up[1], up[2], up[3], up[4], settings, gate_up[0])
     hidden = np.empty((1, gate_up.shape[1] // 2), x.dtype)
     _gelu_product_kernel(gate_up, exact, hidden)
     down_out = np.empty(D, np.float32)
-    matvec_row(hidden[0], down[0], down[1], down[2], down[3], down[4], fast, down_out)
+    matvec_row(hidden[0], down[0], down[1], down[2], down[3], down[4], settings, down_out)
     for d in range(D):
         out[d] = narrow(widen(residual[d]) + _rounded(down_out[d], like), like)
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _recurrent_row_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, fast, out):  # type: ignore[no-untyped-def]  # noqa: E501
+@numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
+def _recurrent_row_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """A residual block with a recurrent temporal block (Figure 2a, c) for one row x (D,) into out (D,)."""
     normed = np.empty_like(x)
     _normalise(x, norms[0], norms[1], normed)
     y_u = np.empty((1, mixer_in[3].shape[0]), np.float32)
-    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], fast, y_u[0])
+    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, y_u[0])
     hidden = np.empty((1, y_u.shape[1] // 2), x.dtype)
     _recurrent_kernel(y_u, conv_state, *rec, h, exact, hidden)
     mixed = np.empty(x.shape[0], np.float32)
-    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], fast, mixed)
-    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, fast, out)
+    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
+    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, settings, out)
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
 def _attention_row_kernel(x, norms, mixer_in, mixer_out, up, down, cos, sin, k_cache, v_cache, seg_cache, count,  # type: ignore[no-untyped-def]  # noqa: E501
-                          segments, local, slots, scale, per_task, exact, fast, out):
+                          segments, local, slots, scale, per_task, exact, settings, out):
     """A residual block with multi-query attention (Figure 2a, Section 2.3) for one row x (D,) into out (D,)."""
     normed = np.empty_like(x)
     _normalise(x, norms[0], norms[1], normed)
     qkv = np.empty((1, mixer_in[3].shape[0]), np.float32)
-    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], fast, qkv[0])
+    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, qkv[0])
     hidden = np.empty((1, mixer_out[0][0].shape[1]), x.dtype)
     _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task,
                       hidden)
     mixed = np.empty(x.shape[0], np.float32)
-    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], fast, mixed)
-    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, fast, out)
+    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
+    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, settings, out)
 
 
 @dataclass
@@ -584,7 +584,7 @@ def recurrent_block_row(x: Tensor, block: BlockRow, weights: RecurrentWeights, c
                          f"not the recurrent block's width {weights.width}")
     out = torch.empty_like(x)
     _recurrent_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
-                          storage(conv_state), h.numpy(), weights.arrays(), block.exact, bool(matvec_module.FAST_DOTS),
+                          storage(conv_state), h.numpy(), weights.arrays(), block.exact, matvec_module.row_settings(),
                           storage(out))
     return out
 
@@ -602,5 +602,5 @@ def attention_block_row(x: Tensor, block: BlockRow, rope: tuple[Tensor, Tensor] 
                          f"not the {H} heads of {d}")
     out = torch.empty_like(x)
     _attention_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, *cache,
-                          block.exact, bool(matvec_module.FAST_DOTS), storage(out))
+                          block.exact, matvec_module.row_settings(), storage(out))
     return out

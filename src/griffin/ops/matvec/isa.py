@@ -18,6 +18,10 @@ or 64 narrow pairs at once, so the kernel streams the weights at close to the re
   rows (several rows of a decode step), each loaded vector used for several instructions, sixteen independent
   accumulators.
 
+- :func:`tile_dot_int8`: the same sums for 16 weight rows against 16 columns of unsigned bytes (the high and low
+  bytes of 8 input rows) through AMX's ``tdpbsud`` (Intel's tile unit: 16 x 16 x 64 byte products per instruction),
+  on hosts that have it (:data:`FAST_TILES`); at several rows it leaves the step bound by reading the weights.
+
 - :func:`prefetch`: asks for the cache line of an array's entry into L2 ahead of its use (the several-row kernel's
   next weight blocks, which the hardware prefetcher does not fetch while the block before is read again from L1).
 
@@ -28,10 +32,14 @@ n must be a multiple of :data:`VECTOR` (several accumulators, so that their chai
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import sys
 
 import llvmlite.binding as llvm
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -59,6 +67,43 @@ def host_dots() -> frozenset[str]:
 
 
 FAST_DOTS = host_dots()
+
+# AMX: tiles of 16 rows x 64 bytes (Intel's Advanced Matrix Extensions). Linux hands a process the tile state only on
+# request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+TILE_ROWS, TILE_BYTES = 16, 64  # a tile: 16 rows of 64 bytes; tdpbsud: 16 x 16 int32 sums of 64 products each
+TILE_COLUMNS = TILE_BYTES // 4  # int32 columns of the sums' tile: the high and low bytes of 8 input rows
+
+
+def host_tiles() -> frozenset[str]:
+    """{"int8"} where this host multiplies int8 tiles (AMX-TILE and AMX-INT8, x86-64 Linux, and the kernel grants
+    this process the tile state), else empty (also with GRIFFIN_MATVEC=generic, or GRIFFIN_MATVEC=no-tiles)."""
+    if os.environ.get("GRIFFIN_MATVEC", "").lower() in ("generic", "no-tiles") or numba.config.CPU_NAME not in (
+            None, "host"):
+        return frozenset()
+    features = llvm.get_host_cpu_features()
+    if not (features.get("amx-tile") and features.get("amx-int8")) or sys.platform != "linux" or platform.machine() != (
+            "x86_64"):
+        return frozenset()
+    try:
+        granted = ctypes.CDLL(None).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        granted = False
+    return frozenset({"int8"}) if granted else frozenset()
+
+
+FAST_TILES = host_tiles()
+
+
+def tile_config() -> np.ndarray:
+    """The 64-byte tile configuration :func:`tile_dot_int8` loads (``ldtilecfg``): palette 1, tiles 0-2 of 16 rows x
+    64 bytes (the sums, the weights, the input bytes)."""
+    config = np.zeros(64, np.uint8)
+    config[0] = 1
+    for tile in range(3):
+        config[16 + 2 * tile] = TILE_BYTES  # bytes per row (uint16, little-endian)
+        config[48 + tile] = TILE_ROWS
+    return config
 
 
 class _BFloat(ir.Type):
@@ -240,3 +285,46 @@ def prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.none(arr, index), codegen
+
+
+@intrinsic
+def tile_dot_int8(typingctx, config, w, row, packed, start, n, out):  # type: ignore[no-untyped-def]
+    """out (16, 16) int32 = the sums over k in [start, start + n) of w[row + i, k] b[k, j] for the 16 weight rows from
+    ``row`` (w (N, K) int8, C-contiguous) and 16 columns j of unsigned bytes b, ``packed`` (K / 4, 64) uint8 in the
+    tile unit's layout: packed[k // 4, 4 j + k % 4] = b[k, j]. Through ``tdpbsud`` (signed times unsigned bytes, int32
+    sums: exact for n <= :data:`DOT_CHUNK`), with the tile ``config`` of :func:`tile_config`, loaded and released
+    within the call. n must be a multiple of 64 and the 16 rows inside w."""
+    for arr, dtype, ndim in ((config, types.uint8, 1), (w, types.int8, 2), (packed, types.uint8, 2),
+                             (out, types.int32, 2)):
+        if not (isinstance(arr, types.Array) and arr.ndim == ndim and arr.layout == "C" and arr.dtype == dtype):
+            raise TypingError(f"tile_dot_int8 reads C-contiguous {ndim}-D {dtype} arrays, got {arr}")
+    if not all(isinstance(a, types.Integer) for a in (row, start, n)):
+        raise TypingError("tile_dot_int8: row, start and n are integers")
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        config, w, packed, out = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 6))
+        row, start, n = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 4, 5))
+        i8, i64 = ir.IntType(8), ir.IntType(64)
+        i8p = i8.as_pointer()
+
+        def function(name, arguments):  # type: ignore[no-untyped-def]
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), arguments), name)
+
+        def tile(t):  # type: ignore[no-untyped-def]
+            return ir.Constant(i8, t)
+
+        load, store = (function(f"llvm.x86.{name}", [i8, i8p, i64]) for name in ("tileloadd64", "tilestored64"))
+        builder.call(function("llvm.x86.ldtilecfg", [i8p]), [builder.bitcast(config.data, i8p)])
+        builder.call(function("llvm.x86.tilezero", [i8]), [tile(0)])
+        K = builder.extract_value(w.shape, 1)
+        first = builder.gep(w.data, [builder.mul(row, K)])
+        with cgutils.for_range_slice(builder, start, builder.add(start, n), ir.Constant(start.type, 64)) as (k, _):
+            builder.call(load, [tile(1), builder.bitcast(builder.gep(first, [k]), i8p), builder.sext(K, i64)])
+            b = builder.gep(packed.data, [builder.mul(k, ir.Constant(k.type, TILE_BYTES // 4))])  # row k / 4
+            builder.call(load, [tile(2), builder.bitcast(b, i8p), ir.Constant(i64, TILE_BYTES)])
+            builder.call(function("llvm.x86.tdpbsud", [i8, i8, i8]), [tile(0), tile(1), tile(2)])
+        builder.call(store, [tile(0), builder.bitcast(out.data, i8p), ir.Constant(i64, 4 * TILE_COLUMNS)])
+        builder.call(function("llvm.x86.tilerelease", []), [])
+        return context.get_dummy_value()
+
+    return types.none(config, w, row, packed, start, n, out), codegen
