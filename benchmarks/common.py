@@ -30,7 +30,22 @@ def machine_info(device: torch.device) -> dict[str, Any]:
                                 openmp={k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    info["last_level_cache_mib"] = last_level_cache_bytes() / 2**20
     return info
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache's size (Linux sysfs, CPU 0's view; ``default`` where it cannot be read): what a
+    benchmark's working set must exceed for its reads to come from memory."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=default)
 
 
 def sync(device: torch.device) -> None:

@@ -24,9 +24,11 @@ batch 1, the first model), the numba kernels (not aten operators) recorded under
 also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.step`), its steps taken in
 turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host;
 ``--kernel-by-kernel-too`` likewise each run of one row with the fused step's kernels called one by one instead of
-in one call per block, and ``--no-prefetch-too`` each int8 run of several rows without the kernel's prefetch of the
-weights ahead (:data:`griffin.ops.matvec.cpu.PREFETCH_BYTES`). ``--split`` times the weight matmuls inside a step,
-the same calls alone, and the step without them.
+in one call per block, and ``--prefetch-too`` each run of one row, and each int8 run of several, with the kernels
+prefetching other distances of weights ahead than :data:`griffin.ops.matvec.cpu.PREFETCH_BYTES` (0, or
+``--no-prefetch-too``: without the prefetch), and ``--no-tiles-too`` each int8 run of several rows through
+``vpdpbusd`` instead of the tile unit (on a host with AMX, :data:`griffin.ops.matvec.isa.FAST_TILES`).
+``--split`` times the weight matmuls inside a step, the same calls alone, and the step without them.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -44,6 +46,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +143,28 @@ def kernel_by_kernel(model: CausalLM) -> torch.nn.Module:
 
 
 @contextmanager
-def without_prefetch() -> Iterator[None]:
-    """The several-row int8 kernel without its prefetch of the weight blocks ahead (``PREFETCH_BYTES = 0``)."""
-    ahead, matvec_cpu.PREFETCH_BYTES = matvec_cpu.PREFETCH_BYTES, 0
+def prefetching(ahead_bytes: int) -> Iterator[None]:
+    """The matvec kernels prefetching ``ahead_bytes`` of weights ahead (0: not at all) instead of
+    ``PREFETCH_BYTES``."""
+    ahead, matvec_cpu.PREFETCH_BYTES = matvec_cpu.PREFETCH_BYTES, ahead_bytes
     try:
         yield
     finally:
         matvec_cpu.PREFETCH_BYTES = ahead
+
+
+@contextmanager
+def without_tiles() -> Iterator[None]:
+    """The several-row int8 kernel through ``vpdpbusd`` instead of the tile unit (``FAST_TILES`` empty)."""
+    tiles, matvec_cpu.FAST_TILES = matvec_cpu.FAST_TILES, frozenset()
+    try:
+        yield
+    finally:
+        matvec_cpu.FAST_TILES = tiles
+
+
+def prefetch_label(ahead_bytes: int) -> str:
+    return "griffin, no prefetch" if ahead_bytes == 0 else f"griffin, prefetch {ahead_bytes / 1024:g} KiB"
 
 
 def griffin_loop(model: CausalLM, prompts: torch.Tensor, n: int, compile: bool) -> Callable:
@@ -329,9 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-by-kernel-too", action="store_true",
                    help="also time each run of one row with the fused step's kernels called one by one, not in one "
                         "call per block, a step of each in turn")
-    p.add_argument("--no-prefetch-too", action="store_true",
-                   help="also time each int8 run of several rows without the kernel's prefetch of the weights ahead, "
-                        "a step of each in turn")
+    p.add_argument("--prefetch-too", nargs="+", type=int, default=[], metavar="BYTES",
+                   help="also time each run of one row, and each int8 run of several, with the kernels prefetching "
+                        "these many bytes of weights ahead (0: no prefetch), a step of each in turn")
+    p.add_argument("--no-prefetch-too", dest="prefetch_too", action="store_const", const=[0],
+                   help="--prefetch-too 0")
+    p.add_argument("--no-tiles-too", action="store_true",
+                   help="also time each int8 run of several rows through vpdpbusd instead of the tile unit (AMX; on "
+                        "a host that has it), a step of each in turn")
     p.add_argument("--read-gib", type=float, default=1.0,
                    help="GiB of float32 summed for the read rate before each model and dtype (between the steps: an "
                         "eighth of it, so that a 2B float32 model's prepacked copy at batch 8 still fits 24 GiB)")
@@ -354,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['load_average'][0]:.2f}; {openmp or 'OpenMP defaults'}")
     n = args.warmup + args.steps + 2
     hf_wanted = not args.no_hf and "bfloat16" in args.dtypes
-    unprefetched = args.no_prefetch_too and "int8" in args.dtypes
+    tiled = args.no_tiles_too and "int8" in matvec_cpu.FAST_TILES
     runs_per_model = {name: len(args.batches) * (len(args.dtypes) * (1 + args.unfused)
                                                   + (hf_wanted and name in HF_SHAPES))
-                      + unprefetched * sum(b > 1 for b in args.batches)
+                      + len(args.prefetch_too) * sum(b == 1 or d == "int8" for b in args.batches for d in args.dtypes)
+                      + tiled * sum(b > 1 for b in args.batches) * ("int8" in args.dtypes)
                       + args.kernel_by_kernel_too * len(args.dtypes) * args.batches.count(1) for name in args.models}
     bar = progress(sum(runs_per_model.values()), "decode runs")
     rows: list[dict] = []
@@ -399,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(("griffin unfused", decode_model(model, b, fuse=False), nullcontext))
                 if args.kernel_by_kernel_too and b == 1:
                     runs.append(("griffin, kernel by kernel", kernel_by_kernel(model), nullcontext))
-                if args.no_prefetch_too and dtype == "int8" and b > 1:
-                    runs.append(("griffin, no prefetch", model, without_prefetch))
+                if b == 1 or dtype == "int8":
+                    runs += [(prefetch_label(a), model, partial(prefetching, a)) for a in args.prefetch_too]
+                if tiled and dtype == "int8" and b > 1:
+                    runs.append(("griffin, no tiles", model, without_tiles))
                 times, rates = interleaved_steps([m for _, m, _ in runs], prompts_of[b], args.warmup, args.steps,
                                                  args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs])
                 for (path, _, _), t in zip(runs, times, strict=True):

@@ -8,8 +8,10 @@ output layer's 2048 -> 32000) and each weight dtype, this script times, side by 
 - ``griffin``: :func:`griffin.ops.matvec.cpu.matvec_cpu` as the decoder calls it (bfloat16 activations; on a host
   with AVX-512 BF16 / VNNI the one-row path through ``vdpbf16ps`` / ``vpdpbusd``);
 - ``griffin generic``: the same with ``GRIFFIN_MATVEC=generic``'s path (weights widened to float32 one by one);
-- ``griffin, no prefetch``: int8 at several rows on a host with ``vpdpbusd``, the kernel without its prefetch of the
-  weight blocks ahead (``PREFETCH_BYTES = 0``);
+- ``griffin, no tiles``: int8 at several rows on a host with AMX (:data:`griffin.ops.matvec.isa.FAST_TILES`), the
+  ``vpdpbusd`` kernel instead of the tile unit's;
+- ``griffin, no prefetch``: at one row, and int8 at several rows on a host with ``vpdpbusd``, the kernel without
+  its prefetch of the weights ahead (``PREFETCH_BYTES = 0``);
 - ``F.linear``: PyTorch's matmul (oneDNN) on the same weights (float32 or bfloat16);
 - ``int8pack``: PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, what gpt-fast and torchao use on
   CPU), bfloat16 activations, per-channel scales;
@@ -20,7 +22,7 @@ of :func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`, and :func:`~griffin.ops.
 the most weights per second the cores can multiply against ``--batch`` rows when nothing waits for memory: int8 needs
 2 x batch ``vpdpbusd`` per 64 weights (one per byte of each row's int16 steps), bfloat16 batch ``vdpbf16ps`` per 32.
 
-Each matrix is held in several copies (together beyond the 32 MiB L3), used in turn, so that every call reads its
+Each matrix is held in several copies (together twice the last-level cache), used in turn, so that every call reads its
 weights from memory. Reported: the median over ``--rounds`` rounds (each starting at the next path) of GB of weights
 read per second, and the ratio to ``sum`` measured in the same round.
 
@@ -49,11 +51,10 @@ from griffin.ops.matvec import isa, quantize_int8  # noqa: E402
 from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, progress, table, write_json  # noqa: E402
+from common import last_level_cache_bytes, machine_info, progress, table, write_json  # noqa: E402
 
 SHAPES = {"mlp up 2048->6144": (6144, 2048), "mlp down 6144->2048": (2048, 6144),
           "recurrent 2048->2560": (2560, 2048), "output 2048->32000": (32000, 2048)}
-L3_BYTES = 32 << 20
 
 
 @numba.njit(cache=True)
@@ -119,7 +120,7 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
         linear = {"int8pack": lambda w: torch._weight_int8pack_mm(x, w, scale_bf16)}
     else:
         tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        weights = [base.to(tdtype) for _ in range(copies)]
+        weights = [base.to(tdtype, copy=True) for _ in range(copies)]  # (float32: not base itself, every time)
         prepared = [MatvecWeights.prepare([w]) for w in weights]
         xl = x.to(tdtype)
         linear = {"F.linear": lambda w: F.linear(xl, w)}
@@ -148,8 +149,17 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
         finally:
             matvec_module.PREFETCH_BYTES = ahead
 
+    def untiled(i: int) -> object:
+        tiles, matvec_module.FAST_TILES = matvec_module.FAST_TILES, frozenset()
+        try:
+            return matvec_cpu(xg, prepared[i])
+        finally:
+            matvec_module.FAST_TILES = tiles
+
     out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
-    if dtype == "int8" and batch > 1 and "int8" in matvec_module.FAST_DOTS:
+    if dtype == "int8" and batch > 1 and "int8" in matvec_module.FAST_TILES:
+        out["griffin, no tiles"] = cycling(untiled)
+    if batch == 1 or (dtype == "int8" and "int8" in matvec_module.FAST_DOTS):
         out["griffin, no prefetch"] = cycling(unprefetched)
     out.update({name: cycling(lambda i, fn=fn: fn(weights[i])) for name, fn in linear.items()})
     out["sum"] = cycling(lambda i: ones[i].sum())
@@ -183,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, ceiling in ceilings.items():
         print(f"{dtype} at {args.batch} row(s), {threads} threads: at most {ceiling:.1f} G weights/s "
               f"({ceiling * (2 if dtype == 'bfloat16' else 1):.1f} GB/s) from the instruction rate")
+    cache = last_level_cache_bytes()
     bar = progress(len(SHAPES) * len(args.dtypes), "matrices")
     for dtype in args.dtypes:
         for shape_name, (n, k) in SHAPES.items():
             nbytes = n * k * {"bfloat16": 2, "int8": 1, "float32": 4}[dtype]
-            fns = candidates(n, k, dtype, max(2, -(-2 * L3_BYTES // nbytes)), gen, args.batch)
+            fns = candidates(n, k, dtype, max(2, -(-2 * cache // nbytes)), gen, args.batch)
             for fn in fns.values():  # compile, page in
                 fn()
                 fn()

@@ -14,6 +14,7 @@ from griffin.inference.matvec import MatvecLinear
 from griffin.inference.prepack import PackedLinear
 from griffin.model import ResidualBlock
 from griffin.ops.matvec import cpu as matvec_module
+from griffin.ops.matvec import isa
 from griffin.quantize import quantize_int8
 from tests.benchmarks.test_inference_benchmark import load_benchmark
 
@@ -22,14 +23,15 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     out = tmp_path / "decode.json"
     main = load_benchmark("decode_cpu").main
     assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "2", "--no-hf",
-                 "--split", "--unfused", "--no-prefetch-too", "--kernel-by-kernel-too", "--profile", "--warmup", "1",
-                 "--steps", "2", "--threads", "1", "--read-gib", "0.01", "--out", str(out)]) == 0
+                 "--split", "--unfused", "--no-prefetch-too", "--no-tiles-too", "--kernel-by-kernel-too", "--profile",
+                 "--warmup", "1", "--steps", "2", "--threads", "1", "--read-gib", "0.01", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     runs = [("bfloat16", 1), ("bfloat16", 2), ("int8", 1), ("int8", 2)]
     paths = [(r["dtype"], r["batch"], r["path"]) for r in results["rows"]]
     assert paths == [(*run, path) for run in runs for path in ("griffin", "griffin unfused")
                      + (("griffin, kernel by kernel",) if run[1] == 1 else ())
-                     + (("griffin, no prefetch",) if run == ("int8", 2) else ())]
+                     + (("griffin, no prefetch",) if run != ("bfloat16", 2) else ())
+                     + (("griffin, no tiles",) if run == ("int8", 2) and "int8" in matvec_module.FAST_TILES else ())]
     for r in results["rows"]:  # each unfused run against the fused one of its weights and batch
         fused = [o for o in results["rows"] if o["path"] == "griffin" and (o["dtype"], o["batch"]) == (r["dtype"],
                                                                                                       r["batch"])]
@@ -42,6 +44,7 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
                                            if (r["path"], r["dtype"], r["batch"]) == ("griffin", "bfloat16", 1)]
     assert results["machine"]["openmp"]["OMP_WAIT_POLICY"] == "passive"
     assert matvec_module.PREFETCH_BYTES > 0  # restored after the runs without it
+    assert matvec_module.FAST_TILES == isa.FAST_TILES
     # one call per weight matmul module in a step (a fused group is one; the gates run inside the fused recurrent
     # block's kernel): the matvec kernel at one row and for int8, oneDNN's prepacked matmuls for bfloat16 at two
     model = CausalLM(ModelConfig.from_preset("griffin-tiny")).to(torch.bfloat16)
