@@ -16,7 +16,9 @@ of max |x| / 32767 (:func:`griffin.ops.matvec.reference.quantize_row_int16`, an 
 the row's larger entries; the sums over int8 weights are then exact integers): 32 or 64 weights per instruction
 instead of one widening and one multiply-add each, which is what kept the widened loop below the read bandwidth.
 Several rows are taken in blocks of 4 weight rows x 2 input rows, so that each loaded vector serves several
-instructions.
+instructions; where the host has Intel's AMX tiles (:data:`griffin.ops.matvec.isa.FAST_TILES`), several rows of int8
+go through them instead (:func:`_rows_int8_tiles_kernel`: 16 weight rows against the high and low bytes of 8 input
+rows per ``tdpbsud``, the same exact sums). The one-row kernels ask for the weights :data:`PREFETCH_BYTES` ahead.
 The RG-LRU's block-diagonal gates have their own kernel (:func:`block_diagonal_cpu`), which reads each block once
 per row.
 
@@ -27,6 +29,7 @@ output dtype.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import prange, types
-from numba.core.errors import TypingError
+from numba.core.errors import NumbaPerformanceWarning, TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
@@ -69,6 +72,9 @@ PREFETCH_BYTES = 1 << 16
 # bfloat16 row through :func:`matvec_row`, tests/ops/test_matvec.py).
 CALLS_PARALLEL = dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
                       stencil=False, fusion=False, prange=False)
+# (numba then warns that such a function has nothing to run in parallel, which is the point: not for griffin's.)
+warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified but no transformation.*griffin.ops",
+                        category=NumbaPerformanceWarning)
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
