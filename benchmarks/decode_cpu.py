@@ -24,9 +24,9 @@ batch 1, the first model), the numba kernels (not aten operators) recorded under
 also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.step`), its steps taken in
 turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host;
 ``--kernel-by-kernel-too`` likewise each run of one row with the fused step's kernels called one by one instead of
-in one call per block, and ``--prefetch-too`` each run of one row, and each int8 run of several, with the kernels
-prefetching other distances of weights ahead than :data:`griffin.ops.matvec.cpu.PREFETCH_BYTES` (0, or
-``--no-prefetch-too``: without the prefetch), and ``--no-tiles-too`` each int8 run of several rows through
+in one call per block, and ``--prefetch-too`` each run of one row, and each int8 run of several (without AMX),
+with the kernels prefetching other distances of weights ahead than :data:`griffin.ops.matvec.cpu.PREFETCH_BYTES` (0,
+or ``--no-prefetch-too``: without the prefetch), and ``--no-tiles-too`` each int8 run of several rows through
 ``vpdpbusd`` instead of the tile unit (on a host with AMX, :data:`griffin.ops.matvec.isa.FAST_TILES`).
 ``--split`` times the weight matmuls inside a step, the same calls alone, and the step without them.
 
@@ -377,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['load_average'][0]:.2f}; {openmp or 'OpenMP defaults'}")
     n = args.warmup + args.steps + 2
     hf_wanted = not args.no_hf and "bfloat16" in args.dtypes
-    tiled = args.no_tiles_too and "int8" in matvec_cpu.FAST_TILES
+    tiled_host = "int8" in matvec_cpu.FAST_TILES  # (its several-row int8 kernel prefetches nothing)
+    tiled = args.no_tiles_too and tiled_host
     runs_per_model = {name: len(args.batches) * (len(args.dtypes) * (1 + args.unfused)
                                                   + (hf_wanted and name in HF_SHAPES))
-                      + len(args.prefetch_too) * sum(b == 1 or d == "int8" for b in args.batches for d in args.dtypes)
+                      + len(args.prefetch_too) * sum(b == 1 or (d == "int8" and not tiled_host)
+                                                     for b in args.batches for d in args.dtypes)
                       + tiled * sum(b > 1 for b in args.batches) * ("int8" in args.dtypes)
                       + args.kernel_by_kernel_too * len(args.dtypes) * args.batches.count(1) for name in args.models}
     bar = progress(sum(runs_per_model.values()), "decode runs")
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(("griffin unfused", decode_model(model, b, fuse=False), nullcontext))
                 if args.kernel_by_kernel_too and b == 1:
                     runs.append(("griffin, kernel by kernel", kernel_by_kernel(model), nullcontext))
-                if b == 1 or dtype == "int8":
+                if b == 1 or (dtype == "int8" and not tiled_host):
                     runs += [(prefetch_label(a), model, partial(prefetching, a)) for a in args.prefetch_too]
                 if tiled and dtype == "int8" and b > 1:
                     runs.append(("griffin, no tiles", model, without_tiles))

@@ -10,8 +10,8 @@ output layer's 2048 -> 32000) and each weight dtype, this script times, side by 
 - ``griffin generic``: the same with ``GRIFFIN_MATVEC=generic``'s path (weights widened to float32 one by one);
 - ``griffin, no tiles``: int8 at several rows on a host with AMX (:data:`griffin.ops.matvec.isa.FAST_TILES`), the
   ``vpdpbusd`` kernel instead of the tile unit's;
-- ``griffin, no prefetch``: at one row, and int8 at several rows on a host with ``vpdpbusd``, the kernel without
-  its prefetch of the weights ahead (``PREFETCH_BYTES = 0``);
+- ``griffin, no prefetch``: at one row, and int8 at several rows on a host with ``vpdpbusd`` but no AMX, the kernel
+  without its prefetch of the weights ahead (``PREFETCH_BYTES = 0``);
 - ``F.linear``: PyTorch's matmul (oneDNN) on the same weights (float32 or bfloat16);
 - ``int8pack``: PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, what gpt-fast and torchao use on
   CPU), bfloat16 activations, per-channel scales;
@@ -159,7 +159,8 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
     out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
     if dtype == "int8" and batch > 1 and "int8" in matvec_module.FAST_TILES:
         out["griffin, no tiles"] = cycling(untiled)
-    if batch == 1 or (dtype == "int8" and "int8" in matvec_module.FAST_DOTS):
+    tiled = "int8" in matvec_module.FAST_TILES  # (the tile kernel prefetches nothing)
+    if batch == 1 or (dtype == "int8" and "int8" in matvec_module.FAST_DOTS and not tiled):
         out["griffin, no prefetch"] = cycling(unprefetched)
     out.update({name: cycling(lambda i, fn=fn: fn(weights[i])) for name, fn in linear.items()})
     out["sum"] = cycling(lambda i: ones[i].sum())
