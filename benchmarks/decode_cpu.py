@@ -143,24 +143,15 @@ def kernel_by_kernel(model: CausalLM) -> torch.nn.Module:
 
 
 @contextmanager
-def prefetching(ahead_bytes: int) -> Iterator[None]:
-    """The matvec kernels prefetching ``ahead_bytes`` of weights ahead (0: not at all) instead of
-    ``PREFETCH_BYTES``."""
-    ahead, matvec_cpu.PREFETCH_BYTES = matvec_cpu.PREFETCH_BYTES, ahead_bytes
+def kernel_setting(name: str, value: object) -> Iterator[None]:
+    """``griffin.ops.matvec.cpu``'s ``name`` set to ``value`` meanwhile: ``PREFETCH_BYTES`` (the distance the kernels
+    prefetch ahead, 0: none) or ``FAST_TILES`` (empty: int8 at several rows through ``vpdpbusd``, not AMX)."""
+    saved = getattr(matvec_cpu, name)
+    setattr(matvec_cpu, name, value)
     try:
         yield
     finally:
-        matvec_cpu.PREFETCH_BYTES = ahead
-
-
-@contextmanager
-def without_tiles() -> Iterator[None]:
-    """The several-row int8 kernel through ``vpdpbusd`` instead of the tile unit (``FAST_TILES`` empty)."""
-    tiles, matvec_cpu.FAST_TILES = matvec_cpu.FAST_TILES, frozenset()
-    try:
-        yield
-    finally:
-        matvec_cpu.FAST_TILES = tiles
+        setattr(matvec_cpu, name, saved)
 
 
 def prefetch_label(ahead_bytes: int) -> str:
@@ -348,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time each run of one row with the fused step's kernels called one by one, not in one "
                         "call per block, a step of each in turn")
     p.add_argument("--prefetch-too", nargs="+", type=int, default=[], metavar="BYTES",
-                   help="also time each run of one row, and each int8 run of several, with the kernels prefetching "
+                   help="also time each run of one row, and each int8 run of several (without AMX), with the kernels "
+                        "prefetching "
                         "these many bytes of weights ahead (0: no prefetch), a step of each in turn")
     p.add_argument("--no-prefetch-too", dest="prefetch_too", action="store_const", const=[0],
                    help="--prefetch-too 0")
@@ -426,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.kernel_by_kernel_too and b == 1:
                     runs.append(("griffin, kernel by kernel", kernel_by_kernel(model), nullcontext))
                 if b == 1 or (dtype == "int8" and not tiled_host):
-                    runs += [(prefetch_label(a), model, partial(prefetching, a)) for a in args.prefetch_too]
+                    runs += [(prefetch_label(a), model, partial(kernel_setting, "PREFETCH_BYTES", a))
+                             for a in args.prefetch_too]
                 if tiled and dtype == "int8" and b > 1:
-                    runs.append(("griffin, no tiles", model, without_tiles))
+                    runs.append(("griffin, no tiles", model, partial(kernel_setting, "FAST_TILES", frozenset())))
                 times, rates = interleaved_steps([m for _, m, _ in runs], prompts_of[b], args.warmup, args.steps,
                                                  args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs])
                 for (path, _, _), t in zip(runs, times, strict=True):

@@ -135,26 +135,21 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
 
         return call
 
-    def generic(i: int) -> object:
-        fast, matvec_module.FAST_DOTS = matvec_module.FAST_DOTS, frozenset()
-        try:
-            return matvec_cpu(xg, prepared[i])
-        finally:
-            matvec_module.FAST_DOTS = fast
+    def with_setting(name: str, value: object) -> Callable[[int], object]:
+        """The kernel with ``griffin.ops.matvec.cpu``'s ``name`` set to ``value`` for the call."""
+        def call(i: int) -> object:
+            saved = getattr(matvec_module, name)
+            setattr(matvec_module, name, value)
+            try:
+                return matvec_cpu(xg, prepared[i])
+            finally:
+                setattr(matvec_module, name, saved)
 
-    def unprefetched(i: int) -> object:
-        ahead, matvec_module.PREFETCH_BYTES = matvec_module.PREFETCH_BYTES, 0
-        try:
-            return matvec_cpu(xg, prepared[i])
-        finally:
-            matvec_module.PREFETCH_BYTES = ahead
+        return call
 
-    def untiled(i: int) -> object:
-        tiles, matvec_module.FAST_TILES = matvec_module.FAST_TILES, frozenset()
-        try:
-            return matvec_cpu(xg, prepared[i])
-        finally:
-            matvec_module.FAST_TILES = tiles
+    generic = with_setting("FAST_DOTS", frozenset())
+    unprefetched = with_setting("PREFETCH_BYTES", 0)
+    untiled = with_setting("FAST_TILES", frozenset())
 
     out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
     if dtype == "int8" and batch > 1 and "int8" in matvec_module.FAST_TILES:

@@ -187,6 +187,15 @@ MUTATIONS = [
         "acc[e, m] += np.int64(block[e, m]) * 256 + np.int64(block[e, m])",
         ("tests/ops/test_matvec.py::test_tile_kernel_equals_the_vpdpbusd_kernel_bit_for_bit",),
     ),
+    Mutation(
+        "tiles-past-the-matrix",
+        "the AMX kernel loads a matrix's last tile of fewer than 16 rows from the matrix itself, not a padded copy: "
+        "its tile loads read past the matrix (a crash where nothing is mapped there)",
+        "src/griffin/ops/matvec/cpu.py",
+        "_tile_rows(high, low, packed, steps, padded, 0, c0, rows, sums, scale, bias, config, out)",
+        "_tile_rows(high, low, packed, steps, weights[j], r0, c0, rows, sums, scale, bias, config, out)",
+        ("tests/ops/test_matvec.py::test_several_rows_never_read_past_a_matrix",),
+    ),
 ]
 
 

@@ -342,3 +342,36 @@ def test_one_row_kernels_load_from_the_cache_in_every_specialisation(tmp_path):
                               timeout=600)
         assert done.returncode == 0, (dtypes, done.returncode, done.stderr[-2000:])
         assert [float(v) for v in done.stdout.split()] == pytest.approx([3.0 * 127 * 256] * len(dtypes), rel=1e-2)
+
+
+GUARDED = """
+import ctypes, mmap, numpy as np, torch
+from griffin.ops.matvec import quantize_int8
+from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu
+from griffin.ops.matvec.reference import matvec_ref
+rows, k, page = 3, 2 * 65536 + 136, mmap.PAGESIZE  # (three DOT_CHUNK pieces: where the bug showed)
+buffer = mmap.mmap(-1, 4 * page + rows * k)
+libc = ctypes.CDLL(None, use_errno=True)
+base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+end = (base + rows * k + page - 1) // page * page  # the page after the matrix's last byte: no access
+assert libc.mprotect(ctypes.c_void_p(end), ctypes.c_size_t(page), 0) == 0, ctypes.get_errno()
+w = np.frombuffer(buffer, np.int8, rows * k, end - base - rows * k).reshape(rows, k)
+q, scale = quantize_int8(torch.randn(rows, k))
+w[:] = q.numpy()
+weights = torch.from_numpy(w)
+x = torch.randn(5, k).bfloat16()
+got = matvec_cpu(x, MatvecWeights.prepare([weights], [scale]), torch.float32)
+ref = matvec_ref(x.float(), [weights], [scale])
+print(float((got - ref).abs().max()), float(ref.abs().max()))
+"""
+
+
+def test_several_rows_never_read_past_a_matrix():
+    """A 3-row int8 matrix that ends where an unreadable page begins, at 5 rows: no kernel (the AMX one loads tiles of
+    16 rows) reads past its last row. (With the padded copy assigned to the matrix's variable inside the prange loop,
+    the tile loads read the matrix itself, 13 rows past its end: where the heap had room after it this went
+    unnoticed, elsewhere it crashed; this test crashed on that code every time.)"""
+    done = subprocess.run([sys.executable, "-c", GUARDED], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    error, largest = map(float, done.stdout.split())
+    assert error <= 1e-4 * largest  # (x rounded to int16 steps, float32 sums of 131208 terms)

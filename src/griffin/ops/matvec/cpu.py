@@ -373,50 +373,58 @@ def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
                     packed[p, k >> 2, 4 * (TILE_INPUTS + j) + (k & 3)] = low[m, k]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _rows_int8_tiles_kernel(high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """:func:`_rows_int8_kernel` through the tile unit (:func:`griffin.ops.matvec.isa.tile_dot_int8`): each tile of
-    16 weight rows against each block of 8 input rows (``packed``, :func:`_pack_tile_columns`), the same exact int64
-    sums and the same float32 operations after them, so the same bits. A tile of fewer rows (a matrix's last) is
-    copied into 16 zero-padded rows first. (No prefetch: the tile loads keep 16 streams of weights in flight, and
-    prefetching ahead of them was not faster, docs/performance.md.)"""
+@numba.njit(fastmath=True, cache=True)
+def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """out[:, c0 : c0 + rows] for the 16 weight rows of w from ``first`` (the tile's ``rows``, then padding), as
+    :func:`_rows_int8_tiles_kernel` describes."""
     B = out.shape[0]
     K = high.shape[1]
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = weights[j]
-        first = r0
-        if rows < TILE_ROWS:
-            w = np.zeros((TILE_ROWS, K), np.int8)
-            w[:rows] = weights[j][r0 : r0 + rows]
-            first = 0
-        block = np.empty((TILE_ROWS, TILE_COLUMNS), np.int32)
-        acc = np.empty((TILE_ROWS, TILE_INPUTS), np.int64)
-        total = np.empty((TILE_ROWS, TILE_INPUTS), np.float32)
-        for p in range(packed.shape[0]):
-            total[:] = 0.0
-            for g in range(G):
-                k0 = g * group
-                acc[:] = 0
-                for d in range(0, gv, DOT_CHUNK):
-                    tile_dot_int8(config, w, first, packed[p], k0 + d, min(DOT_CHUNK, gv - d), block)
-                    for e in range(TILE_ROWS):
-                        for m in range(TILE_INPUTS):
-                            acc[e, m] += np.int64(block[e, m]) * 256 + np.int64(block[e, TILE_INPUTS + m])
-                for e in range(rows):
-                    for m in range(min(TILE_INPUTS, B - p * TILE_INPUTS)):
-                        b = p * TILE_INPUTS + m
-                        for k in range(k0 + gv, k0 + group):
-                            x_k = np.int64(high[b, k]) * 256 + np.int64(low[b, k]) - OFFSET
-                            acc[e, m] += x_k * np.int64(w[first + e, k])
-                        total[e, m] += np.float32(acc[e, m] - np.int64(sums[c0 + e, g]) * OFFSET) * scale[c0 + e, g]
+    block = np.empty((TILE_ROWS, TILE_COLUMNS), np.int32)
+    acc = np.empty((TILE_ROWS, TILE_INPUTS), np.int64)
+    total = np.empty((TILE_ROWS, TILE_INPUTS), np.float32)
+    for p in range(packed.shape[0]):
+        total[:] = 0.0
+        for g in range(G):
+            k0 = g * group
+            acc[:] = 0
+            for d in range(0, gv, DOT_CHUNK):
+                tile_dot_int8(config, w, first, packed[p], k0 + d, min(DOT_CHUNK, gv - d), block)
+                for e in range(TILE_ROWS):
+                    for m in range(TILE_INPUTS):
+                        acc[e, m] += np.int64(block[e, m]) * 256 + np.int64(block[e, TILE_INPUTS + m])
             for e in range(rows):
                 for m in range(min(TILE_INPUTS, B - p * TILE_INPUTS)):
                     b = p * TILE_INPUTS + m
-                    out[b, c0 + e] = total[e, m] * steps[b] + bias[c0 + e]
+                    for k in range(k0 + gv, k0 + group):
+                        x_k = np.int64(high[b, k]) * 256 + np.int64(low[b, k]) - OFFSET
+                        acc[e, m] += x_k * np.int64(w[first + e, k])
+                    total[e, m] += np.float32(acc[e, m] - np.int64(sums[c0 + e, g]) * OFFSET) * scale[c0 + e, g]
+        for e in range(rows):
+            for m in range(min(TILE_INPUTS, B - p * TILE_INPUTS)):
+                b = p * TILE_INPUTS + m
+                out[b, c0 + e] = total[e, m] * steps[b] + bias[c0 + e]
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _rows_int8_tiles_kernel(high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """:func:`_rows_int8_kernel` through the tile unit (:func:`griffin.ops.matvec.isa.tile_dot_int8`): each tile of
+    16 weight rows against each block of 8 input rows (``packed``, :func:`_pack_tile_columns`), the same exact int64
+    sums and the same float32 operations after them, so the same bits (:func:`_tile_rows`). A tile of fewer rows (a
+    matrix's last) is copied into 16 zero-padded rows first, so that no tile load reads past a matrix. (No prefetch:
+    the tile loads keep 16 streams of weights in flight, and prefetching ahead of them was not faster,
+    docs/performance.md.)"""
+    K = high.shape[1]
+    for t in prange(tiles.shape[0]):
+        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+        if rows < TILE_ROWS:  # (a new array, not a reassigned variable: numba's prange kept the old one)
+            padded = np.zeros((TILE_ROWS, K), np.int8)
+            padded[:rows] = weights[j][r0 : r0 + rows]
+            _tile_rows(high, low, packed, steps, padded, 0, c0, rows, sums, scale, bias, config, out)
+        else:
+            _tile_rows(high, low, packed, steps, weights[j], r0, c0, rows, sums, scale, bias, config, out)
 
 
 _TILE_CONFIG = tile_config()
