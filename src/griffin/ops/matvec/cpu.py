@@ -61,7 +61,7 @@ from griffin.ops.matvec.isa import (
 )
 from griffin.ops.matvec.reference import INT16_MAX
 
-TILE = 16  # output rows per task
+TILE = TILE_ROWS  # output rows per task (16: one AMX tile of weight rows, which the tile kernel relies on)
 # How far ahead (bytes of weights) the kernels prefetch (0: not at all), read at each call. At several rows, while a
 # block is read again from L1 for the next input rows, nothing else draws the next rows from memory; at one row the
 # hardware prefetcher does not cross the 4 KiB page a row's stream enters (docs/performance.md, "CPU decode at 1–3B").
