@@ -11,8 +11,10 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -37,15 +39,26 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 def last_level_cache_bytes(default: int = 32 << 20) -> int:
     """The largest CPU cache's size (Linux sysfs, CPU 0's view; ``default`` where it cannot be read): what a
     benchmark's working set must exceed for its reads to come from memory."""
-    sizes = []
+    sizes, units = [], {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = path.read_text().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         if text[:-1].isdigit() and text[-1] in units:
             sizes.append(int(text[:-1]) * units[text[-1]])
         elif text.isdigit():
             sizes.append(int(text))
     return max(sizes, default=default)
+
+
+@contextmanager
+def module_setting(module: ModuleType, name: str, value: object) -> Iterator[None]:
+    """``module.name`` set to ``value`` meanwhile (a kernel's switch, e.g. ``griffin.ops.matvec.cpu.PREFETCH_BYTES``),
+    restored after."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def sync(device: torch.device) -> None:

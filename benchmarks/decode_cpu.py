@@ -44,8 +44,8 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ from griffin.ops.matvec import cpu as matvec_cpu
 from griffin.quantize import quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, progress, table, write_json  # noqa: E402
+from common import machine_info, module_setting, progress, table, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 HF_SHAPES = ("recurrentgemma-2b",)  # shapes in HF RecurrentGemma's conventions (embedding scale, soft-cap, ...)
@@ -140,18 +140,6 @@ def kernel_by_kernel(model: CausalLM) -> torch.nn.Module:
         if isinstance(block, FusedResidualBlock):
             block.row = None
     return copy
-
-
-@contextmanager
-def kernel_setting(name: str, value: object) -> Iterator[None]:
-    """``griffin.ops.matvec.cpu``'s ``name`` set to ``value`` meanwhile: ``PREFETCH_BYTES`` (the distance the kernels
-    prefetch ahead, 0: none) or ``FAST_TILES`` (empty: int8 at several rows through ``vpdpbusd``, not AMX)."""
-    saved = getattr(matvec_cpu, name)
-    setattr(matvec_cpu, name, value)
-    try:
-        yield
-    finally:
-        setattr(matvec_cpu, name, saved)
 
 
 def prefetch_label(ahead_bytes: int) -> str:
@@ -340,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                         "call per block, a step of each in turn")
     p.add_argument("--prefetch-too", nargs="+", type=int, default=[], metavar="BYTES",
                    help="also time each run of one row, and each int8 run of several (without AMX), with the kernels "
-                        "prefetching "
-                        "these many bytes of weights ahead (0: no prefetch), a step of each in turn")
+                        "prefetching these many bytes of weights ahead (0: no prefetch), a step of each in turn")
     p.add_argument("--no-prefetch-too", dest="prefetch_too", action="store_const", const=[0],
                    help="--prefetch-too 0")
     p.add_argument("--no-tiles-too", action="store_true",
@@ -418,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.kernel_by_kernel_too and b == 1:
                     runs.append(("griffin, kernel by kernel", kernel_by_kernel(model), nullcontext))
                 if b == 1 or (dtype == "int8" and not tiled_host):
-                    runs += [(prefetch_label(a), model, partial(kernel_setting, "PREFETCH_BYTES", a))
+                    runs += [(prefetch_label(a), model, partial(module_setting, matvec_cpu, "PREFETCH_BYTES", a))
                              for a in args.prefetch_too]
                 if tiled and dtype == "int8" and b > 1:
-                    runs.append(("griffin, no tiles", model, partial(kernel_setting, "FAST_TILES", frozenset())))
+                    untiled = partial(module_setting, matvec_cpu, "FAST_TILES", frozenset())
+                    runs.append(("griffin, no tiles", model, untiled))
                 times, rates = interleaved_steps([m for _, m, _ in runs], prompts_of[b], args.warmup, args.steps,
                                                  args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs])
                 for (path, _, _), t in zip(runs, times, strict=True):

@@ -51,7 +51,7 @@ from griffin.ops.matvec import isa, quantize_int8  # noqa: E402
 from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import last_level_cache_bytes, machine_info, progress, table, write_json  # noqa: E402
+from common import last_level_cache_bytes, machine_info, module_setting, progress, table, write_json  # noqa: E402
 
 SHAPES = {"mlp up 2048->6144": (6144, 2048), "mlp down 6144->2048": (2048, 6144),
           "recurrent 2048->2560": (2560, 2048), "output 2048->32000": (32000, 2048)}
@@ -138,12 +138,8 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
     def with_setting(name: str, value: object) -> Callable[[int], object]:
         """The kernel with ``griffin.ops.matvec.cpu``'s ``name`` set to ``value`` for the call."""
         def call(i: int) -> object:
-            saved = getattr(matvec_module, name)
-            setattr(matvec_module, name, value)
-            try:
+            with module_setting(matvec_module, name, value):
                 return matvec_cpu(xg, prepared[i])
-            finally:
-                setattr(matvec_module, name, saved)
 
         return call
 
@@ -151,10 +147,10 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
     unprefetched = with_setting("PREFETCH_BYTES", 0)
     untiled = with_setting("FAST_TILES", frozenset())
 
-    out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
-    if dtype == "int8" and batch > 1 and "int8" in matvec_module.FAST_TILES:
-        out["griffin, no tiles"] = cycling(untiled)
     tiled = "int8" in matvec_module.FAST_TILES  # (the tile kernel prefetches nothing)
+    out = {"griffin": cycling(lambda i: matvec_cpu(xg, prepared[i])), "griffin generic": cycling(generic)}
+    if dtype == "int8" and batch > 1 and tiled:
+        out["griffin, no tiles"] = cycling(untiled)
     if batch == 1 or (dtype == "int8" and "int8" in matvec_module.FAST_DOTS and not tiled):
         out["griffin, no prefetch"] = cycling(unprefetched)
     out.update({name: cycling(lambda i, fn=fn: fn(weights[i])) for name, fn in linear.items()})
