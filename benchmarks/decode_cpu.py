@@ -23,11 +23,12 @@ median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by se
 batch 1, the first model), the numba kernels (not aten operators) recorded under their own names. ``--unfused``
 also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.step`), its steps taken in
 turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host;
-``--kernel-by-kernel-too`` likewise each run of one row with the fused step's kernels called one by one instead of
-in one call per block, and ``--prefetch-too`` each run of one row, and each int8 run of several (without AMX),
-with the kernels prefetching other distances of weights ahead than :data:`griffin.ops.matvec.cpu.PREFETCH_BYTES` (0,
-or ``--no-prefetch-too``: without the prefetch), and ``--no-tiles-too`` each int8 run of several rows through
-``vpdpbusd`` instead of the tile unit (on a host with AMX, :data:`griffin.ops.matvec.isa.FAST_TILES`).
+``--kernel-by-kernel-too`` likewise each run whose step is one call per block (every run of one row, int8 runs of a
+few rows) with the fused step's kernels called one by one instead, and ``--prefetch-too`` each run of one row, and
+each int8 run of several (without AMX), with the kernels prefetching other distances of weights ahead than
+:data:`griffin.ops.matvec.cpu.PREFETCH_BYTES` (0, or ``--no-prefetch-too``: without the prefetch), and
+``--no-tiles-too`` each int8 run of several rows through ``vpdpbusd`` instead of the tile unit (on a host with AMX,
+:data:`griffin.ops.matvec.isa.FAST_TILES`).
 ``--split`` times the weight matmuls inside a step, the same calls alone, and the step without them.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
@@ -56,7 +57,7 @@ import torch  # noqa: E402
 
 from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
 from griffin.inference.generate import decode_model, weight_bytes
-from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear
+from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear, int8pack_for
 from griffin.inference.prepack import PackedLinear
 from griffin.inference.step import FusedResidualBlock
 from griffin.ops.matvec import cpu as matvec_cpu
@@ -132,14 +133,15 @@ def interleaved_steps(models: list[CausalLM], prompts: torch.Tensor, warmup: int
     return [t[warmup:] for t in times], rates
 
 
-def kernel_by_kernel(model: CausalLM) -> torch.nn.Module:
-    """The one-row decode copy whose blocks call the fused step's kernels one by one (as at several rows), not in one
-    call per block (:class:`griffin.inference.step.FusedResidualBlock`'s ``row`` left out)."""
-    copy = decode_model(model, 1)
-    for block in copy.blocks:
-        if isinstance(block, FusedResidualBlock):
-            block.row = None
-    return copy
+def kernel_by_kernel(model: CausalLM, batch: int) -> torch.nn.Module | None:
+    """The decode copy for ``batch`` rows whose blocks call the fused step's kernels one by one, not in one call per
+    block (:class:`griffin.inference.step.FusedResidualBlock`'s ``one_call`` left out); None where no block of the
+    copy makes one call (a float model at several rows, whose matmuls are oneDNN's)."""
+    copy = decode_model(model, batch)
+    blocks = [b for b in copy.blocks if isinstance(b, FusedResidualBlock) and b.one_call is not None]
+    for block in blocks:
+        block.one_call = None
+    return copy if blocks else None
 
 
 def prefetch_label(ahead_bytes: int) -> str:
@@ -187,8 +189,8 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
                 (fused_step, "gelu_product_step", "GeLU product (numba)"),
                 (fused_step, "recurrent_step", "recurrent block (numba)"),
                 (fused_step, "attention_step", "attention (numba)"),
-                (fused_step, "recurrent_block_row", "recurrent residual block, one call (numba)"),
-                (fused_step, "attention_block_row", "attention residual block, one call (numba)")]
+                (fused_step, "recurrent_block_step", "recurrent residual block, one call (numba)"),
+                (fused_step, "attention_block_step", "attention residual block, one call (numba)")]
     originals = [getattr(owner, name) for owner, name, _ in labelled]
 
     def recorded(fn: Callable, label: str) -> Callable:
@@ -227,8 +229,9 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     weight matmuls (the matvec kernel's calls, the gates' where they are a call of their own, oneDNN's and PyTorch's
     int8 matmuls) timed inside it; the same calls replayed back to back on the inputs they had; the step with every
     such call answered at once by the output it gave before (the step without the weights; in the fused step the
-    gates run inside the recurrent block's kernel, so they count there). At one row, of the copy that calls the
-    kernels one by one (:func:`kernel_by_kernel`): in one call per block its matmuls are not calls of their own."""
+    gates run inside the recurrent block's kernel, so they count there). Of the copy that calls the kernels one by one
+    (:func:`kernel_by_kernel`) where the step is otherwise one call per block, in which the matmuls are not calls of
+    their own."""
     methods = MATMULS
     originals = {cls: getattr(cls, name) for cls, name in methods.items()}
     tokens = prompts[:, -1].clone()
@@ -264,7 +267,7 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     try:
         patch(timed)
         _, cache = prefill(model, prompts, max_length=prompts.shape[1] + warmup + 2 * steps + 2)
-        decoder = Decoder(kernel_by_kernel(model) if prompts.shape[0] == 1 else model, cache)
+        decoder = Decoder(kernel_by_kernel(model, prompts.shape[0]) or model, cache)
         steps_ms(decoder, warmup)
         inside[0] = 0.0
         step = steps_ms(decoder, steps)
@@ -324,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time each griffin run without the fused kernels (decode_model(fuse=False)), a step of "
                         "each in turn")
     p.add_argument("--kernel-by-kernel-too", action="store_true",
-                   help="also time each run of one row with the fused step's kernels called one by one, not in one "
-                        "call per block, a step of each in turn")
+                   help="also time each run whose step is one call per block (any at one row, int8 at several) with "
+                        "the fused step's kernels called one by one, a step of each in turn")
     p.add_argument("--prefetch-too", nargs="+", type=int, default=[], metavar="BYTES",
                    help="also time each run of one row, and each int8 run of several (without AMX), with the kernels "
                         "prefetching these many bytes of weights ahead (0: no prefetch), a step of each in turn")
@@ -363,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                       + len(args.prefetch_too) * sum(b == 1 or (d == "int8" and not tiled_host)
                                                      for b in args.batches for d in args.dtypes)
                       + tiled * sum(b > 1 for b in args.batches) * ("int8" in args.dtypes)
-                      + args.kernel_by_kernel_too * len(args.dtypes) * args.batches.count(1) for name in args.models}
+                      + args.kernel_by_kernel_too * sum(b == 1 or (d == "int8" and not int8pack_for(b))
+                                                        for b in args.batches for d in args.dtypes)
+                      for name in args.models}
     bar = progress(sum(runs_per_model.values()), "decode runs")
     rows: list[dict] = []
     bandwidths: list[dict] = []
@@ -402,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [("griffin", model, nullcontext)]
                 if args.unfused:
                     runs.append(("griffin unfused", decode_model(model, b, fuse=False), nullcontext))
-                if args.kernel_by_kernel_too and b == 1:
-                    runs.append(("griffin, kernel by kernel", kernel_by_kernel(model), nullcontext))
+                if args.kernel_by_kernel_too and (one_by_one := kernel_by_kernel(model, b)) is not None:
+                    runs.append(("griffin, kernel by kernel", one_by_one, nullcontext))
                 if b == 1 or (dtype == "int8" and not tiled_host):
                     runs += [(prefetch_label(a), model, partial(module_setting, matvec_cpu, "PREFETCH_BYTES", a))
                              for a in args.prefetch_too]

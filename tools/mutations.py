@@ -170,12 +170,12 @@ MUTATIONS = [
     ),
     Mutation(
         "decode-block-row-rounding",
-        "the one-row block step adds the temporal block's output to the residual unrounded (the model rounds it to its "
-        "dtype as the output projection's result)",
+        "the one-call block step adds the temporal block's output to the residual unrounded (the model rounds it to "
+        "its dtype as the output projection's result)",
         "src/griffin/ops/decode_step.py",
-        "        residual[d] = narrow(widen(x[d]) + _rounded(mixed[d], like), like)",
-        "        residual[d] = narrow(widen(x[d]) + mixed[d], like)",
-        ("tests/inference/test_step.py::test_one_row_block_step_equals_the_kernel_by_kernel_step",
+        "            residual[b, d] = narrow(widen(x[b, d]) + _rounded(mixed[b, d], like), like)",
+        "            residual[b, d] = narrow(widen(x[b, d]) + mixed[b, d], like)",
+        ("tests/inference/test_step.py::test_one_call_block_step_equals_the_kernel_by_kernel_step",
          "tests/inference/test_step.py::test_fused_step_equals_the_unfused_copy"),
     ),
     Mutation(

@@ -97,41 +97,47 @@ def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch)
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("batch", [1, 3])
 @torch.no_grad()
-def test_one_row_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype, monkeypatch):
-    """At one row each block's step is one call (griffin.ops.decode_step's recurrent_block_row and
-    attention_block_row: the same kernels around the block's four matmuls, global attention and a local ring of 6
-    slots that wraps after the 9-token prompt): each block makes exactly one such call per step, and the logits and
-    caches of 6 steps equal those of the same copy calling the kernels one by one. LLVM may vectorise a kernel's sums
-    differently inside the one call, so float32 agrees to its rounding. In bfloat16 and int8 the kernels round where
-    the model rounds: at least 95% of the logits' and float caches' entries are the same bits, the rest within the
-    tolerance of :func:`test_fused_step_equals_the_unfused_copy` (a float32 difference can flip a bfloat16 rounding;
-    a rounding left out of the one call, which that tolerance alone lets through, changes most entries: mutation
-    ``decode-block-row-rounding``)."""
+def test_one_call_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype, batch, monkeypatch):
+    """Where a block's four projections are matvec swaps (the decode copy at one row; at 3 rows the matvec copy,
+    which the decoder makes for int8 models), each block's step is one call (griffin.ops.decode_step's
+    recurrent_block_step and attention_block_step: the same kernels around the block's four matmuls, global attention
+    and a local ring of 6 slots that wraps after the 9-token prompt): each block makes exactly one such call per step,
+    and the logits and caches of 6 steps equal those of the same copy calling the kernels one by one. LLVM may
+    vectorise a kernel's sums differently inside the one call, so float32 agrees to its rounding. In bfloat16 and
+    int8 the kernels round where the model rounds: at least 95% of the logits' and float caches' entries are the same
+    bits, the rest within the tolerance of :func:`test_fused_step_equals_the_unfused_copy` (a float32 difference can
+    flip a bfloat16 rounding; a rounding left out of the one call, which that tolerance alone lets through, changes
+    most entries: mutation ``decode-block-row-rounding``)."""
     int8 = dtype == "int8"
     model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
     model = quantize_int8(model) if int8 else model
-    prompts = torch.randint(0, 32, (1, 9), generator=gen)
-    tokens = list(torch.randint(0, 32, (6, 1), generator=gen))
-    one_by_one = decode_model(model, 1)
+
+    def copy_of():
+        return decode_model(model, 1) if batch == 1 else fused_step_swapped(matvec_swapped(model, int8pack=False))
+
+    prompts = torch.randint(0, 32, (batch, 9), generator=gen)
+    tokens = list(torch.randint(0, 32, (6, batch), generator=gen))
+    one_by_one = copy_of()
     for block in one_by_one.blocks:
-        assert block.row is not None
-        block.row = None
+        assert block.one_call is not None
+        block.one_call = None
     want, want_cache = steps_of(one_by_one, prompts, tokens)
-    calls = {"row": 0}
+    calls = {"one call": 0}
 
     def counted(fn):
         def wrapper(*args, **kwargs):
-            calls["row"] += 1
+            calls["one call"] += 1
             return fn(*args, **kwargs)
         return wrapper
 
-    for name in ("recurrent_block_row", "attention_block_row"):
+    for name in ("recurrent_block_step", "attention_block_step"):
         monkeypatch.setattr(fused_step, name, counted(getattr(fused_step, name)))
     for name in ("rms_norm_step", "recurrent_step", "attention_step", "gelu_product_step"):
         monkeypatch.setattr(fused_step, name, None)  # a step that fell back to the kernels one by one would fail
-    got, got_cache = steps_of(decode_model(model, 1), prompts, tokens)
-    assert calls["row"] == len(tokens) * len(model.blocks)
+    got, got_cache = steps_of(copy_of(), prompts, tokens)
+    assert calls["one call"] == len(tokens) * len(model.blocks)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     scale = want.abs().max()
     assert (got - want).abs().max() <= tol * scale

@@ -16,13 +16,13 @@ from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, 
 from griffin.layers.recurrent_block import RecurrentState
 from griffin.layers.rope import rope_angles
 from griffin.ops.decode_step import (
-    BlockRow,
+    BlockStep,
     RecurrentWeights,
-    attention_block_row,
+    attention_block_step,
     attention_step,
     gelu_product_step,
     narrow,
-    recurrent_block_row,
+    recurrent_block_step,
     recurrent_step,
     rms_norm_step,
 )
@@ -249,10 +249,10 @@ def test_bad_input_is_named(gen):
         attention_step(torch.zeros(2, 32), None, k, k.clone(), seg, count, seg[:, :1], True, 6, 1.0, torch.float32)
 
 
-def test_block_row_bad_input_is_named(gen):
-    """The one-row block step (:func:`recurrent_block_row`, :func:`attention_block_row`): projections that do not fit
-    the width, a row or a cache of the wrong shape or dtype, get named errors before any kernel runs."""
-    block, _, state = recurrent_case(gen, torch.float32, 1, 24, 4, 4)
+def test_block_step_bad_input_is_named(gen):
+    """The one-call block step (:func:`recurrent_block_step`, :func:`attention_block_step`): projections that do not
+    fit the width, rows or a cache of the wrong shape or dtype, get named errors before any kernel runs."""
+    block, _, state = recurrent_case(gen, torch.float32, 2, 24, 4, 4)
     lru = block.rg_lru
     gates = (lru.input_gate.w, lru.input_gate.b), (lru.a_gate.w, lru.a_gate.b)
     weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, *gates, lru.a_param, lru.c)
@@ -260,22 +260,25 @@ def test_block_row_bad_input_is_named(gen):
     mixer_in, mixer_out, up, down = (MatvecWeights.prepare([torch.randn(n, k, generator=gen)])
                                      for n, k in ((2 * R, D), (D, R), (2 * M, D), (D, M)))
     scales = (torch.zeros(D), torch.zeros(D))
-    row = BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
+    step = BlockStep.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
     with pytest.raises(ValueError, match=r"do not fit width 16"):
-        BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, down, up, "tanh")
+        BlockStep.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, down, up, "tanh")
     with pytest.raises(ValueError, match="norm scales must be contiguous"):
-        BlockRow.prepare((scales[0], torch.zeros(D).bfloat16()), (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
+        BlockStep.prepare((scales[0], torch.zeros(D).bfloat16()), (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
     with pytest.raises(ValueError, match="approximation"):
-        BlockRow.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "erf")
-    with pytest.raises(ValueError, match=r"x must be a contiguous \(16,\) torch.float32 CPU row"):
-        recurrent_block_row(torch.zeros(1, D), row, weights, state.conv, state.h)
-    with pytest.raises(ValueError, match="recurrent_block_row: h must be float32"):
-        recurrent_block_row(torch.zeros(D), row, weights, state.conv, state.h.double())
-    out = recurrent_block_row(torch.randn(D, generator=gen), row, weights, state.conv, state.h)
-    assert out.shape == (D,) and out.dtype == torch.float32 and torch.isfinite(out).all()
+        BlockStep.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "erf")
+    with pytest.raises(ValueError, match=r"x must be contiguous \(B, 16\) torch.float32 CPU rows, got \(16,\)"):
+        recurrent_block_step(torch.zeros(D), step, weights, state.conv, state.h)
+    with pytest.raises(ValueError, match=r"recurrent_block_step: for width 24, .* got \(3, 48\)"):
+        recurrent_block_step(torch.zeros(3, D), step, weights, state.conv, state.h)  # a state of 2 rows
+    with pytest.raises(ValueError, match="recurrent_block_step: h must be float32"):
+        recurrent_block_step(torch.zeros(2, D), step, weights, state.conv, state.h.double())
+    out = recurrent_block_step(torch.randn(2, D, generator=gen), step, weights, state.conv, state.h)
+    assert out.shape == (2, D) and out.dtype == torch.float32 and torch.isfinite(out).all()
     k, seg, count = torch.zeros(1, 5, 1, 8), torch.full((1, 5), EMPTY), torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match="attention_block_row: the output projection reads 24 inputs, not the 4 heads"):
-        attention_block_row(torch.zeros(D), row, None, k, k.clone(), seg, count, seg[:, :1], True, 5, 1.0)
+    with pytest.raises(ValueError, match="attention_block_step: the output projection reads 24 inputs, not the 4 "
+                                         "heads"):
+        attention_block_step(torch.zeros(1, D), step, None, k, k.clone(), seg, count, seg[:, :1], True, 5, 1.0)
     k7 = torch.zeros(1, 5, 1, 7)  # heads of 7: no head count makes the projections' 48 outputs
-    with pytest.raises(ValueError, match="attention_block_row: for a cache of"):
-        attention_block_row(torch.zeros(D), row, None, k7, k7.clone(), seg, count, seg[:, :1], True, 5, 1.0)
+    with pytest.raises(ValueError, match="attention_block_step: for a cache of"):
+        attention_block_step(torch.zeros(1, D), step, None, k7, k7.clone(), seg, count, seg[:, :1], True, 5, 1.0)

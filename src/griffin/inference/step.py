@@ -6,9 +6,10 @@ A decode step of a 1-3B model reads its weights once, through the matvec kernels
 a decode copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which
 runs a step through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the
 two RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections:
-for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. At
-one row, where the block's four projections are matvec swaps, the whole block is one call of those kernels and the
-matmuls (:func:`griffin.ops.decode_step.recurrent_block_row`, :func:`~griffin.ops.decode_step.attention_block_row`).
+for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Where
+the block's four projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one
+call of those kernels and the matmuls (:func:`griffin.ops.decode_step.recurrent_block_step`,
+:func:`~griffin.ops.decode_step.attention_block_step`).
 Anything else (a prompt, a document start or padding, a compiled step, gradients) goes through the block as it is, so
 the copy computes what the model computes, up to float32 rounding inside the kernels.
 """
@@ -27,12 +28,12 @@ from griffin.layers.rg_lru import RGLRU
 from griffin.model import ResidualBlock
 from griffin.ops.decode_step import (
     STEP_DTYPES,
-    BlockRow,
+    BlockStep,
     RecurrentWeights,
-    attention_block_row,
+    attention_block_step,
     attention_step,
     gelu_product_step,
-    recurrent_block_row,
+    recurrent_block_step,
     recurrent_step,
     rms_norm_step,
 )
@@ -80,11 +81,11 @@ class FusedResidualBlock(nn.Module):
         self.dtype = scales[0].dtype
         self.fusable = self.dtype in STEP_DTYPES and all(t.dtype == self.dtype and t.device.type == "cpu"
                                                          for t in scales)
-        self.row = self._block_row() if self.fusable else None
+        self.one_call = self._block_step() if self.fusable else None
 
-    def _block_row(self) -> BlockRow | None:
-        """The block's weights for a one-row step in one call, if its four projections are matvec swaps and its
-        temporal block has a kernel (a recurrent block with its weights prepared, or multi-query attention)."""
+    def _block_step(self) -> BlockStep | None:
+        """The block's weights for a step in one call, if its four projections are matvec swaps and its temporal
+        block has a kernel (a recurrent block with its weights prepared, or multi-query attention)."""
         temporal, mlp = self.temporal_block, self.mlp_block
         if self.weights is not None:
             mixer = (temporal.in_proj, temporal.linear_out)
@@ -96,7 +97,7 @@ class FusedResidualBlock(nn.Module):
         if not all(isinstance(m, MatvecLinear) for m in layers) or not all(
                 t.is_contiguous() for t in (self.temporal_pre_norm.scale, self.channel_pre_norm.scale)):
             return None
-        return BlockRow.prepare((self.temporal_pre_norm.scale, self.channel_pre_norm.scale),
+        return BlockStep.prepare((self.temporal_pre_norm.scale, self.channel_pre_norm.scale),
                                 (self.temporal_pre_norm.eps, self.channel_pre_norm.eps),
                                 *(m.prepared for m in layers), mlp.gelu_approximation)
 
@@ -106,11 +107,11 @@ class FusedResidualBlock(nn.Module):
                 and not torch.compiler.is_compiling()):
             return self.reference[0](x, ctx, cache)
         B, _, D = x.shape
-        if B == 1 and self.row is not None:
-            out = self._row(x.reshape(D), ctx, cache)
-            if out is not None:
-                return out.view(1, 1, D)
         rows = x.reshape(B, D)
+        if self.one_call is not None:
+            out = self._one_call(rows.contiguous(), ctx, cache)
+            if out is not None:
+                return out.view(B, 1, D)
         _, normed = rms_norm_step(rows, self.temporal_pre_norm.scale, self.temporal_pre_norm.eps)
         if self.weights is not None:
             mixed = self._recurrent(normed, cache)
@@ -124,15 +125,15 @@ class FusedResidualBlock(nn.Module):
         hidden = gelu_product_step(_side_by_side(mlp.gate_up, normed), mlp.gelu_approximation, x.dtype)
         return (residual + mlp.down_proj(hidden)).view(B, 1, D)
 
-    def _row(self, x: Tensor, ctx: Context, cache) -> Tensor | None:
-        """The whole block for one row x (D,) in one call, or None where its temporal block's cache does not allow
-        it (then the step goes through the kernels one by one)."""
+    def _one_call(self, x: Tensor, ctx: Context, cache) -> Tensor | None:
+        """The whole block for rows x (B, D) in one call, or None where its temporal block's cache does not allow it
+        (then the step goes through the kernels one by one)."""
         block = self.temporal_block
         if self.weights is not None:
-            return recurrent_block_row(x, self.row, self.weights, cache.conv, cache.h)
+            return recurrent_block_step(x, self.one_call, self.weights, cache.conv, cache.h)
         if isinstance(cache, KVCache) and cache.k.dtype == x.dtype and ctx.segments is not None:
-            return attention_block_row(x, self.row, ctx.rope, cache.k, cache.v, cache.segment, cache.count,
-                                       ctx.segments, block.local, self._slots(ctx, cache), block.head_dim**-0.5)
+            return attention_block_step(x, self.one_call, ctx.rope, cache.k, cache.v, cache.segment, cache.count,
+                                        ctx.segments, block.local, self._slots(ctx, cache), block.head_dim**-0.5)
         return None
 
     def _slots(self, ctx: Context, cache: KVCache) -> int:

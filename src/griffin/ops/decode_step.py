@@ -9,9 +9,9 @@ model (about 150 per layer and step) cost more than their arithmetic. Each kerne
 computes for one token per row without document starts or padding (every decode step), from tensors in their stored
 dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
-before using them). At one row, a residual block's whole step is one call (:func:`recurrent_block_row`,
-:func:`attention_block_row`): these kernels around its four weight matmuls
-(:func:`griffin.ops.matvec.cpu.matvec_row`). e^x and the sigmoid are the fused RG-LRU kernel's
+before using them). A residual block's whole step is one call (:func:`recurrent_block_step`,
+:func:`attention_block_step`): these kernels around its four weight matmuls
+(:func:`griffin.ops.matvec.cpu.matvec_rows`). e^x and the sigmoid are the fused RG-LRU kernel's
 (:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a
 scalar call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
 :class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`):
@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 from torch import Tensor
 
 from griffin.ops.matvec import cpu as matvec_module
-from griffin.ops.matvec.cpu import CALLS_PARALLEL, MatvecWeights, block_product, matvec_row, storage, widen
+from griffin.ops.matvec.cpu import CALLS_PARALLEL, MatvecWeights, block_product, matvec_rows, storage, widen
 from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
@@ -474,66 +474,76 @@ def _exact(approximation: str) -> bool:
     return approximation == "none"
 
 
-# A residual block's whole step at one row, in one call: the kernels above around the block's four weight matmuls
-# (``matvec_row``), so that a 1-3B model's decode step at batch 1 makes one call from Python per block instead of about
-# eight (each with its checks, views and allocations, run with caches that the weights streamed in between had
-# emptied).
+# A residual block's whole step in one call: the kernels above around the block's four weight matmuls
+# (``matvec_rows``), so that a 1-3B model's decode step makes one call from Python per block instead of about eight
+# (each with its checks, views and allocations, run with caches that the weights streamed in between had emptied).
 
 
 @numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
 def _mlp_half(x, mixed, scale, eps, up, down, exact, settings, out):  # type: ignore[no-untyped-def]
-    """The channel half of a residual block for one row x (D,): residual = x + mixed (the temporal block's output in
-    float32, first rounded as its layer's output), RMSNorm, the gated MLP (``up``, ``down``: :func:`matvec_row`'s
+    """The channel half of a residual block for rows x (B, D): residual = x + mixed (the temporal block's output in
+    float32, first rounded as its layer's output), RMSNorm, the gated MLP (``up``, ``down``: :func:`matvec_rows`'s
     matrices), out = residual + its output, everything rounded where the model rounds."""
     like = out.dtype.type(0)
-    D = x.shape[0]
+    B, D = x.shape
     residual, normed = np.empty_like(x), np.empty_like(x)
-    for d in range(D):
-        residual[d] = narrow(widen(x[d]) + _rounded(mixed[d], like), like)
-    _normalise(residual, scale, eps, normed)
-    gate_up = np.empty((1, up[3].shape[0]), np.float32)
-    matvec_row(normed, up[0], up[1], up[2], up[3], up[4], settings, gate_up[0])
-    hidden = np.empty((1, gate_up.shape[1] // 2), x.dtype)
+    for b in range(B):
+        for d in range(D):
+            residual[b, d] = narrow(widen(x[b, d]) + _rounded(mixed[b, d], like), like)
+        _normalise(residual[b], scale, eps, normed[b])
+    gate_up = np.empty((B, up[3].shape[0]), np.float32)
+    matvec_rows(normed, up[0], up[1], up[2], up[3], up[4], settings, gate_up)
+    hidden = np.empty((B, gate_up.shape[1] // 2), x.dtype)
     _gelu_product_kernel(gate_up, exact, hidden)
-    down_out = np.empty(D, np.float32)
-    matvec_row(hidden[0], down[0], down[1], down[2], down[3], down[4], settings, down_out)
-    for d in range(D):
-        out[d] = narrow(widen(residual[d]) + _rounded(down_out[d], like), like)
+    down_out = np.empty((B, D), np.float32)
+    matvec_rows(hidden, down[0], down[1], down[2], down[3], down[4], settings, down_out)
+    for b in range(B):
+        for d in range(D):
+            out[b, d] = narrow(widen(residual[b, d]) + _rounded(down_out[b, d], like), like)
+
+
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _normed_rows(x, norms):  # type: ignore[no-untyped-def]
+    """RMSNorm (the temporal pre-norm, ``norms`` as :class:`BlockStep` holds them) of each row of x (B, D)."""
+    normed = np.empty_like(x)
+    for b in range(x.shape[0]):
+        _normalise(x[b], norms[0], norms[1], normed[b])
+    return normed
 
 
 @numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
-def _recurrent_row_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """A residual block with a recurrent temporal block (Figure 2a, c) for one row x (D,) into out (D,)."""
-    normed = np.empty_like(x)
-    _normalise(x, norms[0], norms[1], normed)
-    y_u = np.empty((1, mixer_in[3].shape[0]), np.float32)
-    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, y_u[0])
-    hidden = np.empty((1, y_u.shape[1] // 2), x.dtype)
+def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """A residual block with a recurrent temporal block (Figure 2a, c) for rows x (B, D) into out (B, D)."""
+    B = x.shape[0]
+    normed = _normed_rows(x, norms)
+    y_u = np.empty((B, mixer_in[3].shape[0]), np.float32)
+    matvec_rows(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, y_u)
+    hidden = np.empty((B, y_u.shape[1] // 2), x.dtype)
     _recurrent_kernel(y_u, conv_state, *rec, h, exact, hidden)
-    mixed = np.empty(x.shape[0], np.float32)
-    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
+    mixed = np.empty(x.shape, np.float32)
+    matvec_rows(hidden, mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
     _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, settings, out)
 
 
 @numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
-def _attention_row_kernel(x, norms, mixer_in, mixer_out, up, down, cos, sin, k_cache, v_cache, seg_cache, count,  # type: ignore[no-untyped-def]  # noqa: E501
-                          segments, local, slots, scale, per_task, exact, settings, out):
-    """A residual block with multi-query attention (Figure 2a, Section 2.3) for one row x (D,) into out (D,)."""
-    normed = np.empty_like(x)
-    _normalise(x, norms[0], norms[1], normed)
-    qkv = np.empty((1, mixer_in[3].shape[0]), np.float32)
-    matvec_row(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, qkv[0])
-    hidden = np.empty((1, mixer_out[0][0].shape[1]), x.dtype)
+def _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cos, sin, k_cache, v_cache, seg_cache, count,  # type: ignore[no-untyped-def]  # noqa: E501
+                            segments, local, slots, scale, per_task, exact, settings, out):
+    """A residual block with multi-query attention (Figure 2a, Section 2.3) for rows x (B, D) into out (B, D)."""
+    B = x.shape[0]
+    normed = _normed_rows(x, norms)
+    qkv = np.empty((B, mixer_in[3].shape[0]), np.float32)
+    matvec_rows(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, qkv)
+    hidden = np.empty((B, mixer_out[0][0].shape[1]), x.dtype)
     _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task,
                       hidden)
-    mixed = np.empty(x.shape[0], np.float32)
-    matvec_row(hidden[0], mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
+    mixed = np.empty(x.shape, np.float32)
+    matvec_rows(hidden, mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
     _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, settings, out)
 
 
 @dataclass
-class BlockRow:
-    """A residual block's weights as its one-row step reads them, prepared once (views, no copies): the two RMSNorms'
+class BlockStep:
+    """A residual block's weights as its one-call step reads them, prepared once (views, no copies): the two RMSNorms'
     scales and eps, the temporal block's input and output projections (``mixer_in``: the recurrent block's two
     branches or attention's q/k/v; ``mixer_out``) and the MLP's (``up``: its two branches; ``down``) as
     :meth:`griffin.ops.matvec.cpu.MatvecWeights.kernel_args`, and whether the GeLU is exact."""
@@ -549,58 +559,62 @@ class BlockRow:
 
     @classmethod
     def prepare(cls, norm_scales: tuple[Tensor, Tensor], eps: tuple[float, float], mixer_in: MatvecWeights,
-                mixer_out: MatvecWeights, up: MatvecWeights, down: MatvecWeights, approximation: str) -> BlockRow:
+                mixer_out: MatvecWeights, up: MatvecWeights, down: MatvecWeights, approximation: str) -> BlockStep:
         dtype, D = norm_scales[0].dtype, norm_scales[0].shape[0]
         for name, t in (("temporal norm scale", norm_scales[0]), ("channel norm scale", norm_scales[1])):
             _check_dtype(name, t)
             if t.dtype != dtype or t.shape != (D,) or not t.is_contiguous():
-                raise ValueError(f"BlockRow: the norm scales must be contiguous ({D},) {dtype}, got {name} "
+                raise ValueError(f"BlockStep: the norm scales must be contiguous ({D},) {dtype}, got {name} "
                                  f"{tuple(t.shape)} {t.dtype}")
         shapes = [(m.in_features, m.out_features) for m in (mixer_in, mixer_out, up, down)]
         if (mixer_in.in_features != D or mixer_out.out_features != D or up.in_features != D or up.out_features % 2
                 or down.in_features != up.out_features // 2 or down.out_features != D):
-            raise ValueError(f"BlockRow: the projections (in, out) {shapes} (mixer in, mixer out, MLP up, MLP down) do "
-                             f"not fit width {D}")
+            raise ValueError(f"BlockStep: the projections (in, out) {shapes} (mixer in, mixer out, MLP up, MLP down) "
+                             f"do not fit width {D}")
         norms = (storage(norm_scales[0].detach()), float(eps[0]), storage(norm_scales[1].detach()), float(eps[1]))
         return cls(norms, mixer_in.kernel_args(), mixer_out.kernel_args(), up.kernel_args(), down.kernel_args(),
                    _exact(approximation), dtype, D)
 
 
-def _check_row(x: Tensor, block: BlockRow) -> None:
-    if x.shape != (block.width,) or x.dtype != block.dtype or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"block step: x must be a contiguous ({block.width},) {block.dtype} CPU row, got "
+def _check_rows(x: Tensor, block: BlockStep) -> None:
+    if x.dim() != 2 or x.shape[1] != block.width or x.dtype != block.dtype or x.device.type != "cpu" or (
+            not x.is_contiguous()):
+        raise ValueError(f"block step: x must be contiguous (B, {block.width}) {block.dtype} CPU rows, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
 
 
-def recurrent_block_row(x: Tensor, block: BlockRow, weights: RecurrentWeights, conv_state: Tensor, h: Tensor) -> Tensor:
-    """A residual block with a recurrent temporal block, one token of one row x (D,) (the residual stream) in one
-    call: what :class:`griffin.model.ResidualBlock` computes, through :func:`rms_norm_step`'s, :func:`recurrent_step`'s
-    and :func:`gelu_product_step`'s kernels around the four weight matmuls (the block's state, ``conv_state`` (1,
-    K-1, R) and ``h`` (1, R) float32, updated in place). Returns the block's output (D,) in x's dtype."""
-    _check_row(x, block)
-    _check_recurrent("recurrent_block_row", (1, block.mixer_in[3].shape[0]), conv_state, h, weights, x.dtype)
+def recurrent_block_step(x: Tensor, block: BlockStep, weights: RecurrentWeights, conv_state: Tensor,
+                         h: Tensor) -> Tensor:
+    """A residual block with a recurrent temporal block, one token of each row of x (B, D) (the residual stream) in
+    one call: what :class:`griffin.model.ResidualBlock` computes, through :func:`rms_norm_step`'s,
+    :func:`recurrent_step`'s and :func:`gelu_product_step`'s kernels around the four weight matmuls (the block's
+    state, ``conv_state`` (B, K-1, R) and ``h`` (B, R) float32, updated in place). Returns the block's output (B, D) in
+    x's dtype."""
+    _check_rows(x, block)
+    _check_recurrent("recurrent_block_step", (x.shape[0], block.mixer_in[3].shape[0]), conv_state, h, weights,
+                     x.dtype)
     if block.mixer_out[0][0].shape[1] != weights.width:
-        raise ValueError(f"recurrent_block_row: the output projection reads {block.mixer_out[0][0].shape[1]} inputs, "
-                         f"not the recurrent block's width {weights.width}")
+        raise ValueError(f"recurrent_block_step: the output projection reads {block.mixer_out[0][0].shape[1]} "
+                         f"inputs, not the recurrent block's width {weights.width}")
     out = torch.empty_like(x)
-    _recurrent_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
-                          storage(conv_state), h.numpy(), weights.arrays(), block.exact, matvec_module.row_settings(),
-                          storage(out))
+    _recurrent_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
+                            storage(conv_state), h.numpy(), weights.arrays(), block.exact,
+                            matvec_module.kernel_settings(), storage(out))
     return out
 
 
-def attention_block_row(x: Tensor, block: BlockRow, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor,
-                        v_cache: Tensor, segment_cache: Tensor, count: Tensor, segments: Tensor, local: bool,
-                        slots: int, scale: float) -> Tensor:
-    """A residual block with multi-query attention, one token of one row x (D,) in one call (the caches as
-    :func:`attention_step` takes them, updated in place). Returns the block's output (D,) in x's dtype."""
-    _check_row(x, block)
-    H, d, cache = _attention_arguments("attention_block_row", (1, block.mixer_in[3].shape[0]), rope, k_cache, v_cache,
-                                       segment_cache, count, segments, local, slots, scale, x.dtype)
+def attention_block_step(x: Tensor, block: BlockStep, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor,
+                         v_cache: Tensor, segment_cache: Tensor, count: Tensor, segments: Tensor, local: bool,
+                         slots: int, scale: float) -> Tensor:
+    """A residual block with multi-query attention, one token of each row of x (B, D) in one call (the caches as
+    :func:`attention_step` takes them, updated in place). Returns the block's output (B, D) in x's dtype."""
+    _check_rows(x, block)
+    H, d, cache = _attention_arguments("attention_block_step", (x.shape[0], block.mixer_in[3].shape[0]), rope,
+                                       k_cache, v_cache, segment_cache, count, segments, local, slots, scale, x.dtype)
     if block.mixer_out[0][0].shape[1] != H * d:
-        raise ValueError(f"attention_block_row: the output projection reads {block.mixer_out[0][0].shape[1]} inputs, "
-                         f"not the {H} heads of {d}")
+        raise ValueError(f"attention_block_step: the output projection reads {block.mixer_out[0][0].shape[1]} "
+                         f"inputs, not the {H} heads of {d}")
     out = torch.empty_like(x)
-    _attention_row_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, *cache,
-                          block.exact, matvec_module.row_settings(), storage(out))
+    _attention_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, *cache,
+                            block.exact, matvec_module.kernel_settings(), storage(out))
     return out

@@ -49,6 +49,7 @@ from griffin.ops.matvec.isa import (
     ROWS,
     TILE_BYTES,
     TILE_COLUMNS,
+    TILE_INSTRUCTIONS,
     TILE_ROWS,
     VECTOR,
     WEIGHT_ROWS,
@@ -358,19 +359,32 @@ def _rows_int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, ahead
 TILE_INPUTS = TILE_COLUMNS // 2  # input rows per tile product (their high and low bytes)
 
 
+@numba.njit(inline="always")
+def _word(row, k):  # type: ignore[no-untyped-def]
+    """The 4 bytes row[k : k + 4] (those inside the row; zeros past its end) as one little-endian uint32."""
+    K = row.shape[0]
+    if k + 4 <= K:
+        return (np.uint32(row[k]) | np.uint32(row[k + 1]) << np.uint32(8) | np.uint32(row[k + 2]) << np.uint32(16)
+                | np.uint32(row[k + 3]) << np.uint32(24))
+    word = np.uint32(0)
+    for i in range(K - k):
+        word |= np.uint32(row[k + i]) << np.uint32(8 * i)
+    return word
+
+
 @numba.njit(cache=True)
 def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
     """packed (P, K / 4, 64) uint8, zeros on entry: for each block p of :data:`TILE_INPUTS` input rows, the high
     bytes of its rows as columns 0-7 and the low bytes as columns 8-15 of :func:`griffin.ops.matvec.isa.tile_dot_int8`'s
-    input tile (the rows past B stay zero)."""
+    input tile (the rows past B stay zero): column j of the tile's row k // 4 is the 4 bytes from k, one word."""
     B, K = high.shape
+    words = packed.view(np.uint32)  # (P, K / 4, 16)
     for p in range(packed.shape[0]):
-        for j in range(TILE_INPUTS):
-            m = p * TILE_INPUTS + j
-            if m < B:
-                for k in range(K):
-                    packed[p, k >> 2, 4 * j + (k & 3)] = high[m, k]
-                    packed[p, k >> 2, 4 * (TILE_INPUTS + j) + (k & 3)] = low[m, k]
+        rows = min(TILE_INPUTS, B - p * TILE_INPUTS)
+        for q in range(-(-K // 4)):  # (a tile row at a time: 64 consecutive bytes written)
+            for j in range(rows):
+                words[p, q, j] = _word(high[p * TILE_INPUTS + j], 4 * q)
+                words[p, q, TILE_INPUTS + j] = _word(low[p * TILE_INPUTS + j], 4 * q)
 
 
 @numba.njit(fastmath=True, cache=True)
@@ -441,17 +455,45 @@ def _quantize_rows_int16(x, high, low, steps):  # type: ignore[no-untyped-def]
     return True
 
 
+def _max_magnitude(x):  # type: ignore[no-untyped-def]
+    """(max |x_k| as float32, whether every entry is finite) for x (K,) float32, or bfloat16 as its uint16 bits (numba
+    only)."""
+    raise NotImplementedError
+
+
+@overload(_max_magnitude, inline="always")
+def _max_magnitude_impl(x):  # type: ignore[no-untyped-def]
+    # From the bits without the sign: for finite floats their order is the magnitudes' order, and the largest is at
+    # least the infinity's bits where an entry is infinite or NaN. An integer maximum, which LLVM vectorises (a float
+    # one it does not, without fastmath's no-NaN promise).
+    if x.dtype == types.uint16:
+        def bfloat16(x):  # type: ignore[no-untyped-def]
+            m = np.uint16(0)
+            for k in range(x.shape[0]):
+                m = max(m, np.uint16(x[k] & np.uint16(0x7FFF)))
+            return widen(m), m < np.uint16(0x7F80)
+
+        return bfloat16
+    if x.dtype == types.float32:
+        def float32(x):  # type: ignore[no-untyped-def]
+            bits = x.view(np.uint32)
+            m = np.uint32(0)
+            for k in range(bits.shape[0]):
+                m = max(m, np.uint32(bits[k] & np.uint32(0x7FFFFFFF)))
+            return _float32_from_bits(m), m < np.uint32(0x7F800000)
+
+        return float32
+    raise TypingError(f"matvec: no int16 steps for rows of type {x.dtype}")
+
+
 @numba.njit(fastmath=False, cache=True)
 def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
     """:func:`griffin.ops.matvec.reference.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits),
     the same float32 operations, written as the high and low bytes (K,) uint8 of u = x_int16 + 32768; returns the
     step, or 0 if x has an infinite or NaN entry."""
-    amax = np.float32(0.0)
-    for k in range(x.shape[0]):
-        v = abs(widen(x[k]))
-        if not np.isfinite(v):
-            return np.float32(0.0)
-        amax = max(amax, v)
+    amax, finite = _max_magnitude(x)
+    if not finite:
+        return np.float32(0.0)
     step = amax / np.float32(INT16_MAX) if amax > 0 else np.float32(1.0)
     for k in range(x.shape[0]):
         u = np.int32(min(max(np.rint(widen(x[k]) / step), -INT16_MAX), INT16_MAX)) + OFFSET
@@ -597,17 +639,13 @@ class MatvecWeights:
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
     """x (..., K) times the prepared matrices (transposed), plus biases, concatenated: (..., N) in ``out_dtype``
-    (default x's). One row: :func:`_one_row`; several rows of int8 weights: :func:`_int8_rows` where the host has
-    ``vpdpbusd``; else the widened several-row kernel."""
+    (default x's), through :func:`matvec_rows`."""
     if x.shape[-1] != prepared.in_features:
         raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape[0], prepared.out_features, dtype=torch.float32)
-    if flat.shape[0] == 1:
-        _one_row(flat[0], prepared, out.numpy()[0])
-    elif flat.shape[0] and not _int8_rows(flat, prepared, out.numpy()):
-        rows = flat.to(torch.float32).contiguous().numpy()
-        _matvec_kernel(rows, prepared.arrays, prepared.tiles, prepared.scale, prepared.bias, out.numpy())
+    if flat.shape[0]:
+        _matvec_rows_kernel(_widen_view(flat), *prepared.kernel_args(), kernel_settings(), out.numpy())
     out = out.reshape(*x.shape[:-1], prepared.out_features)
     return out.to(out_dtype or x.dtype)
 
@@ -619,45 +657,18 @@ def _widen_view(x: Tensor) -> np.ndarray:
     return (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()
 
 
-def _int8_rows(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> bool:
-    """out (B, N) = x (B, K) times int8 matrices through ``vpdpbusd`` (:func:`_rows_int8_kernel`), each row rounded
-    to its own int16 steps; False (nothing done) for other weights, on a host without the instruction, or for an x
-    with an infinite or NaN entry (which int16 steps cannot hold)."""
-    if prepared.arrays[0].dtype != np.int8 or "int8" not in FAST_DOTS:
-        return False
-    bits = _widen_view(x)
-    padded_rows = -(-x.shape[0] // ROWS) * ROWS
-    high, low = np.zeros((padded_rows, x.shape[1]), np.uint8), np.zeros((padded_rows, x.shape[1]), np.uint8)
-    steps = np.empty(x.shape[0], np.float32)
-    if not _quantize_rows_int16(bits, high, low, steps):
-        return False
-    if "int8" in FAST_TILES:
-        packed = np.zeros((-(-x.shape[0] // TILE_INPUTS), x.shape[1] // 4 + 1, TILE_BYTES), np.uint8)
-        _pack_tile_columns(high[: x.shape[0]], low[: x.shape[0]], packed)
-        _rows_int8_tiles_kernel(high, low, packed, steps, prepared.arrays, prepared.tiles, prepared.sums,
-                                prepared.scale, prepared.bias, _TILE_CONFIG, out)
-    else:
-        _rows_int8_kernel(high, low, steps, prepared.arrays, prepared.tiles, prepared.sums, prepared.scale,
-                          prepared.bias, PREFETCH_BYTES, out)
-    return True
-
-
-def _one_row(x: Tensor, prepared: MatvecWeights, out: np.ndarray) -> None:
-    """out (N,) = x (K,) times the prepared matrices (:func:`matvec_row`)."""
-    _matvec_row_kernel(_widen_view(x), *prepared.kernel_args(), row_settings(), out)
-
-
-def row_settings() -> tuple[bool, int]:
-    """(fast, ahead_bytes) for :func:`matvec_row`, read now: whether to take the host's instructions
-    (:data:`griffin.ops.matvec.isa.FAST_DOTS` not empty) and :data:`PREFETCH_BYTES`."""
-    return bool(FAST_DOTS), int(PREFETCH_BYTES)
+def kernel_settings() -> tuple[bool, int, bool]:
+    """(fast, ahead_bytes, tiles) for :func:`matvec_row` and :func:`matvec_rows`, read now: whether to take the host's
+    instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS` not empty), :data:`PREFETCH_BYTES`, and whether to take
+    the tile unit (:data:`griffin.ops.matvec.isa.FAST_TILES` holds int8)."""
+    return bool(FAST_DOTS), int(PREFETCH_BYTES), "int8" in FAST_TILES
 
 
 def matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     """out (N,) float32 = x (K,) (float32, or bfloat16 as its uint16 bits) times matrices prepared as
     :class:`MatvecWeights` holds them (:meth:`MatvecWeights.kernel_args`), one parallel region over all of them.
-    ``settings`` is (fast, ahead_bytes) (:func:`row_settings`): with fast (and where the host has the instruction,
-    :data:`griffin.ops.matvec.isa.FAST_DOTS`), bfloat16 x and weights through ``vdpbf16ps``
+    ``settings`` is :func:`kernel_settings` (fast, ahead_bytes, tiles): with fast (and where the host has the
+    instruction, :data:`griffin.ops.matvec.isa.FAST_DOTS`), bfloat16 x and weights through ``vdpbf16ps``
     (:func:`_one_row_bf16_kernel`); int8 weights and a finite x through ``vpdpbusd``, x rounded to int16 steps
     (:func:`_one_row_int8_kernel`, :func:`griffin.ops.matvec.reference.quantize_row_int16`); anything else widened
     to float32 (:func:`_one_row_kernel`); each weight row prefetches the weights ahead_bytes on. For numba code (the
@@ -689,7 +700,7 @@ def _matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ig
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
     if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in FAST_DOTS:
         def bf16(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            fast, ahead = settings
+            fast, ahead, _ = settings
             if fast:
                 _one_row_bf16_kernel(x, arrays, tiles, bias, ahead, out)
             else:
@@ -698,7 +709,7 @@ def _matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ig
         return bf16
     if stored == types.int8 and "int8" in FAST_DOTS:
         def int8(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            fast, ahead = settings
+            fast, ahead, _ = settings
             if fast:
                 high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
                 step = _quantize_row_int16(x, high, low)
@@ -715,10 +726,87 @@ def _matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ig
     return widened
 
 
+def matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    """out (B, N) float32 = x (B, K) (float32, or bfloat16 as its uint16 bits) times matrices as :func:`matvec_row`
+    takes them. One row: :func:`matvec_row`. Several rows of int8 weights, with fast (``settings``, see
+    :func:`matvec_row`) where the host has ``vpdpbusd``: each row rounded to its own int16 steps, then through the
+    tile unit where ``settings`` says tiles (:func:`_rows_int8_tiles_kernel`) or ``vpdpbusd``
+    (:func:`_rows_int8_kernel`, prefetching ahead_bytes); anything else (and rows with an infinite or NaN entry,
+    which int16 steps cannot hold) widened to float32 (:func:`_matvec_kernel`). For numba code (the fused decode step
+    of a residual block); from Python, :func:`matvec_cpu`."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+def int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    """out (B, N) for rows already rounded to int16 steps (:func:`_quantize_rows_int16`; high and low padded to a
+    multiple of :data:`griffin.ops.matvec.isa.ROWS` rows) and int8 weights: through the tile unit where ``settings``
+    says tiles, else ``vpdpbusd`` (numba only)."""
+    raise NotImplementedError
+
+
+@overload(int8_rows)
+def _int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    def vnni(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+        _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[1], out)
+
+    if not TILE_INSTRUCTIONS:  # (LLVM cannot compile the tile kernel for this host)
+        return vnni
+
+    def tiled(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+        if not settings[2]:
+            _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[1], out)
+            return
+        B, K = steps.shape[0], high.shape[1]
+        packed = np.zeros((-(-B // TILE_INPUTS), K // 4 + 1, TILE_BYTES), np.uint8)
+        _pack_tile_columns(high[:B], low[:B], packed)
+        _rows_int8_tiles_kernel(high, low, packed, steps, arrays, tiles, sums, scale, bias, _TILE_CONFIG, out)
+
+    return tiled
+
+
+@numba.njit(inline="always")
+def _widened_rows(x, arrays, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
+    """:func:`_matvec_kernel` of the rows x (B, K) widened to float32."""
+    rows = np.empty(x.shape, np.float32)
+    for b in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            rows[b, k] = widen(x[b, k])
+    _matvec_kernel(rows, arrays, tiles, scale, bias, out)
+
+
+@overload(matvec_rows)
+def _matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
+    if stored != types.int8 or "int8" not in FAST_DOTS:
+        def other(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+            if x.shape[0] == 1:
+                matvec_row(x[0], arrays, tiles, scale, bias, sums, settings, out[0])
+            else:
+                _widened_rows(x, arrays, tiles, scale, bias, out)
+
+        return other
+
+    def int8(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+        B, K = x.shape
+        if B == 1:
+            matvec_row(x[0], arrays, tiles, scale, bias, sums, settings, out[0])
+            return
+        if settings[0]:
+            padded_rows = -(-B // ROWS) * ROWS
+            high, low = np.zeros((padded_rows, K), np.uint8), np.zeros((padded_rows, K), np.uint8)
+            steps = np.empty(B, np.float32)
+            if _quantize_rows_int16(x, high, low, steps):
+                int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out)
+                return
+        _widened_rows(x, arrays, tiles, scale, bias, out)
+
+    return int8
+
+
 @numba.njit(parallel=CALLS_PARALLEL, cache=True)
-def _matvec_row_kernel(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    """:func:`matvec_row`, called from Python."""
-    matvec_row(x, arrays, tiles, scale, bias, sums, settings, out)
+def _matvec_rows_kernel(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    """:func:`matvec_rows`, called from Python."""
+    matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out)
 
 
 # An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the

@@ -76,15 +76,23 @@ TILE_ROWS, TILE_BYTES = 16, 64  # a tile: 16 rows of 64 bytes; tdpbsud: 16 x 16 
 TILE_COLUMNS = TILE_BYTES // 4  # int32 columns of the sums' tile: the high and low bytes of 8 input rows
 
 
-def host_tiles() -> frozenset[str]:
-    """{"int8"} where this host multiplies int8 tiles (AMX-TILE and AMX-INT8, x86-64 Linux, and the kernel grants
-    this process the tile state), else empty (also with GRIFFIN_MATVEC=generic, or GRIFFIN_MATVEC=no-tiles)."""
-    if os.environ.get("GRIFFIN_MATVEC", "").lower() in ("generic", "no-tiles") or numba.config.CPU_NAME not in (
-            None, "host"):
-        return frozenset()
+def tile_instructions() -> bool:
+    """Whether numba compiles the tile instructions for this host: its CPU has AMX-TILE and AMX-INT8 (x86-64 Linux,
+    numba compiling for the host), whatever GRIFFIN_MATVEC says and whether the kernel grants the tile state. Code
+    that holds the tile kernel is compiled (and cached) alike in every process on the host; :data:`FAST_TILES` says
+    whether a process runs it."""
     features = llvm.get_host_cpu_features()
-    if not (features.get("amx-tile") and features.get("amx-int8")) or sys.platform != "linux" or platform.machine() != (
-            "x86_64"):
+    return bool(features.get("amx-tile") and features.get("amx-int8") and sys.platform == "linux"
+                and platform.machine() == "x86_64" and numba.config.CPU_NAME in (None, "host"))
+
+
+TILE_INSTRUCTIONS = tile_instructions()
+
+
+def host_tiles() -> frozenset[str]:
+    """{"int8"} where this host multiplies int8 tiles (:func:`tile_instructions`, and the kernel grants this process
+    the tile state), else empty (also with GRIFFIN_MATVEC=generic, or GRIFFIN_MATVEC=no-tiles)."""
+    if os.environ.get("GRIFFIN_MATVEC", "").lower() in ("generic", "no-tiles") or not tile_instructions():
         return frozenset()
     try:
         granted = ctypes.CDLL(None).syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
