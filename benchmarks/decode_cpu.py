@@ -61,7 +61,7 @@ from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, Matvec
 from griffin.inference.prepack import PackedLinear
 from griffin.inference.step import FusedResidualBlock
 from griffin.ops.matvec import cpu as matvec_cpu
-from griffin.quantize import quantize_int8
+from griffin.quantize import quantization_of, quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, module_setting, progress, table, write_json  # noqa: E402
@@ -133,15 +133,22 @@ def interleaved_steps(models: list[CausalLM], prompts: torch.Tensor, warmup: int
     return [t[warmup:] for t in times], rates
 
 
-def kernel_by_kernel(model: CausalLM, batch: int) -> torch.nn.Module | None:
+def one_call_per_block(dtype: str, batch: int) -> bool:
+    """Whether the decode copy's blocks each make one call per step (their projections are the matvec kernel's: any
+    model at one row, int8 at a few rows where the host has ``vpdpbusd``;
+    :func:`griffin.inference.generate.decode_model`)."""
+    return batch == 1 or (dtype == "int8" and not int8pack_for(batch))
+
+
+def kernel_by_kernel(model: CausalLM, batch: int) -> torch.nn.Module:
     """The decode copy for ``batch`` rows whose blocks call the fused step's kernels one by one, not in one call per
-    block (:class:`griffin.inference.step.FusedResidualBlock`'s ``one_call`` left out); None where no block of the
-    copy makes one call (a float model at several rows, whose matmuls are oneDNN's)."""
+    block (:class:`griffin.inference.step.FusedResidualBlock`'s ``one_call`` left out; where
+    :func:`one_call_per_block`)."""
     copy = decode_model(model, batch)
-    blocks = [b for b in copy.blocks if isinstance(b, FusedResidualBlock) and b.one_call is not None]
-    for block in blocks:
-        block.one_call = None
-    return copy if blocks else None
+    for block in copy.blocks:
+        if isinstance(block, FusedResidualBlock):
+            block.one_call = None
+    return copy
 
 
 def prefetch_label(ahead_bytes: int) -> str:
@@ -267,7 +274,9 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     try:
         patch(timed)
         _, cache = prefill(model, prompts, max_length=prompts.shape[1] + warmup + 2 * steps + 2)
-        decoder = Decoder(kernel_by_kernel(model, prompts.shape[0]) or model, cache)
+        dtype = "int8" if quantization_of(model) is not None else "float"
+        decoder = Decoder(kernel_by_kernel(model, prompts.shape[0]) if one_call_per_block(dtype, prompts.shape[0])
+                          else model, cache)
         steps_ms(decoder, warmup)
         inside[0] = 0.0
         step = steps_ms(decoder, steps)
@@ -366,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                       + len(args.prefetch_too) * sum(b == 1 or (d == "int8" and not tiled_host)
                                                      for b in args.batches for d in args.dtypes)
                       + tiled * sum(b > 1 for b in args.batches) * ("int8" in args.dtypes)
-                      + args.kernel_by_kernel_too * sum(b == 1 or (d == "int8" and not int8pack_for(b))
+                      + args.kernel_by_kernel_too * sum(one_call_per_block(d, b)
                                                         for b in args.batches for d in args.dtypes)
                       for name in args.models}
     bar = progress(sum(runs_per_model.values()), "decode runs")
@@ -407,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [("griffin", model, nullcontext)]
                 if args.unfused:
                     runs.append(("griffin unfused", decode_model(model, b, fuse=False), nullcontext))
-                if args.kernel_by_kernel_too and (one_by_one := kernel_by_kernel(model, b)) is not None:
-                    runs.append(("griffin, kernel by kernel", one_by_one, nullcontext))
+                if args.kernel_by_kernel_too and one_call_per_block(dtype, b):  # (else the copy would be oneDNN's)
+                    runs.append(("griffin, kernel by kernel", kernel_by_kernel(model, b), nullcontext))
                 if b == 1 or (dtype == "int8" and not tiled_host):
                     runs += [(prefetch_label(a), model, partial(module_setting, matvec_cpu, "PREFETCH_BYTES", a))
                              for a in args.prefetch_too]
@@ -419,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs])
                 for (path, _, _), t in zip(runs, times, strict=True):
                     record(t, name, path, dtype, b, wbytes, rates)
+                del runs  # (the copies hold the weights: the next model must not find them alive)
             if args.profile and name == args.models[0] and dtype in ("bfloat16", "int8"):
                 profiles.append(dict(model=name, dtype=dtype, batch=1, ops=profile_steps(
                     griffin_loop(model, prompts_of[args.batches[0]][:1], args.warmup + 6, args.compile), 12)))

@@ -179,6 +179,15 @@ MUTATIONS = [
          "tests/inference/test_step.py::test_fused_step_equals_the_unfused_copy"),
     ),
     Mutation(
+        "int16-steps-infinity",
+        "the kernel's max |x| from the bits of a bfloat16 row takes an infinite entry for a finite one (the row would "
+        "be rounded to int16 steps of inf)",
+        "src/griffin/ops/matvec/cpu.py",
+        "            return widen(m), m < np.uint16(0x7F80)",
+        "            return widen(m), m <= np.uint16(0x7F80)",
+        ("tests/ops/test_matvec.py::test_kernel_rounds_x_to_int16_steps_as_the_reference",),
+    ),
+    Mutation(
         "tiles-low-byte",
         "the AMX kernel adds each input row's high-byte sums where its low-byte sums belong (int8 decode of several "
         "rows off by up to 1/128 of each row's scale, on hosts with AMX)",

@@ -126,9 +126,10 @@ def test_kernel_rounds_x_to_int16_steps_as_the_reference(gen, dtype):
     assert step == ref_step and torch.equal(q, ref_q.int())
     assert matvec_module._quantize_row_int16(np.zeros(8, np.float32), high[:8], low[:8]) == 1.0
     assert (high[:8] == 128).all() and not low[:8].any()
-    for bad in (float("inf"), float("nan")):
+    for bad in (float("inf"), -float("inf"), float("nan")):  # (the kernel finds max |x| from the bits)
         x[7] = bad
         assert matvec_module._quantize_row_int16(x.float().numpy(), high, low) == 0.0
+        assert matvec_module._quantize_row_int16(x.bfloat16().view(torch.uint16).numpy(), high, low) == 0.0
         with pytest.raises(ValueError, match="infinite or NaN"):
             quantize_row_int16(x)
 
@@ -293,6 +294,7 @@ def test_tile_product_is_the_exact_integer_sum(gen):
     (200, (33,), 13, 0),  # a group's tail past the tile products (200 = 128 + 72), two blocks of input rows
     (384, (40,), 3, 128),  # groups of 128
     (256, (16,), 16, 32),  # groups smaller than one tile product: the tail alone
+    (131, (20,), 3, 0),  # inputs not a multiple of 4: the last packed word part zeros
 ])
 def test_tile_kernel_equals_the_vpdpbusd_kernel_bit_for_bit(gen, monkeypatch, k, rows, batch, group_size):
     """Several rows of int8 weights through the tile unit (AMX ``tdpbsud``): the same exact integer sums as the
