@@ -21,7 +21,8 @@ from tests.benchmarks.test_inference_benchmark import load_benchmark
 
 def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    main = load_benchmark("decode_cpu").main
+    benchmark = load_benchmark("decode_cpu")
+    main = benchmark.main
     assert main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "int8", "--batches", "1", "2", "--no-hf",
                  "--split", "--unfused", "--no-prefetch-too", "--no-tiles-too", "--kernel-by-kernel-too", "--profile",
                  "--warmup", "1", "--steps", "2", "--threads", "1", "--read-gib", "0.01", "--out", str(out)]) == 0
@@ -30,7 +31,7 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
     tiled = "int8" in matvec_module.FAST_TILES
     paths = [(r["dtype"], r["batch"], r["path"]) for r in results["rows"]]
     assert paths == [(*run, path) for run in runs for path in ("griffin", "griffin unfused")
-                     + (("griffin, kernel by kernel",) if run[1] == 1 else ())
+                     + (("griffin, kernel by kernel",) if benchmark.one_call_per_block(*run) else ())
                      + (("griffin, no prefetch",) if run[1] == 1 or (run == ("int8", 2) and not tiled) else ())
                      + (("griffin, no tiles",) if run == ("int8", 2) and tiled else ())]
     for r in results["rows"]:  # each unfused run against the fused one of its weights and batch
