@@ -346,6 +346,33 @@ def test_one_row_kernels_load_from_the_cache_in_every_specialisation(tmp_path):
         assert [float(v) for v in done.stdout.split()] == pytest.approx([3.0 * 127 * 256] * len(dtypes), rel=1e-2)
 
 
+SETTINGS = """
+import torch
+from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu
+x = torch.full((3, 256), 1e-6)
+x[:, 0] = 1.0
+prepared = MatvecWeights.prepare([torch.ones(2, 256, dtype=torch.int8)], [torch.ones(2, 1)])
+print(matvec_cpu(x[:1], prepared)[0, 0].item(), matvec_cpu(x, prepared)[0, 0].item())
+"""
+
+
+@host_has("int8")
+def test_kernels_compiled_under_other_settings_follow_the_current_ones(tmp_path):
+    """Kernels compiled and cached in a process that takes no instruction path (``GRIFFIN_MATVEC=generic``: x as it
+    is, 1 + 255e-6) still hold the paths, and a later process that loads them from the cache takes them, at one row
+    and at three (x rounded to int16 steps of 1/32767: its 1e-6 entries, below half a step, become 0): the paths are
+    compiled where the host has them, and a flag read at each call picks one. When the settings of the compiling
+    process decided, the later one got the generic kernel from the cache."""
+    outs = []
+    for setting in ("generic", ""):
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "GRIFFIN_MATVEC": setting}
+        done = subprocess.run([sys.executable, "-c", SETTINGS], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (setting, done.stderr[-2000:])
+        outs.append([float(v) for v in done.stdout.split()])
+    assert outs[0] == pytest.approx([1 + 255e-6] * 2, rel=1e-6)
+    assert outs[1] == [1.0, 1.0]
+
+
 GUARDED = """
 import ctypes, mmap, numpy as np, torch
 from griffin.ops.matvec import quantize_int8

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from griffin.ops.matvec.isa import (
     DOT_CHUNK,
+    DOT_INSTRUCTIONS,
     FAST_DOTS,
     FAST_TILES,
     ROWS,
@@ -657,22 +658,23 @@ def _widen_view(x: Tensor) -> np.ndarray:
     return (x.view(torch.uint16) if x.dtype == torch.bfloat16 else x.to(torch.float32)).numpy()
 
 
-def kernel_settings() -> tuple[bool, int, bool]:
-    """(fast, ahead_bytes, tiles) for :func:`matvec_row` and :func:`matvec_rows`, read now: whether to take the host's
-    instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS` not empty), :data:`PREFETCH_BYTES`, and whether to take
-    the tile unit (:data:`griffin.ops.matvec.isa.FAST_TILES` holds int8)."""
-    return bool(FAST_DOTS), int(PREFETCH_BYTES), "int8" in FAST_TILES
+def kernel_settings() -> tuple[bool, bool, int, bool]:
+    """(bfloat16, int8, ahead_bytes, tiles) for :func:`matvec_row` and :func:`matvec_rows`, read now: whether to take
+    the host's bfloat16 and int8 instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`), :data:`PREFETCH_BYTES`,
+    and whether to take the tile unit (:data:`griffin.ops.matvec.isa.FAST_TILES` holds int8). The kernels are
+    compiled with every path the host has (:data:`griffin.ops.matvec.isa.DOT_INSTRUCTIONS`); these flags pick one at
+    each call, so that a kernel compiled (or cached) under other settings still follows the current ones."""
+    return "bfloat16" in FAST_DOTS, "int8" in FAST_DOTS, int(PREFETCH_BYTES), "int8" in FAST_TILES
 
 
 def matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     """out (N,) float32 = x (K,) (float32, or bfloat16 as its uint16 bits) times matrices prepared as
     :class:`MatvecWeights` holds them (:meth:`MatvecWeights.kernel_args`), one parallel region over all of them.
-    ``settings`` is :func:`kernel_settings` (fast, ahead_bytes, tiles): with fast (and where the host has the
-    instruction, :data:`griffin.ops.matvec.isa.FAST_DOTS`), bfloat16 x and weights through ``vdpbf16ps``
-    (:func:`_one_row_bf16_kernel`); int8 weights and a finite x through ``vpdpbusd``, x rounded to int16 steps
-    (:func:`_one_row_int8_kernel`, :func:`griffin.ops.matvec.reference.quantize_row_int16`); anything else widened
-    to float32 (:func:`_one_row_kernel`); each weight row prefetches the weights ahead_bytes on. For numba code (the
-    fused decode step of a residual block); from Python, :func:`matvec_cpu`."""
+    ``settings`` is :func:`kernel_settings`: where it says so (and the host has the instruction), bfloat16 x and weights
+    through ``vdpbf16ps`` (:func:`_one_row_bf16_kernel`); int8 weights and a finite x through ``vpdpbusd``, x rounded to
+    int16 steps (:func:`_one_row_int8_kernel`, :func:`griffin.ops.matvec.reference.quantize_row_int16`); anything else
+    widened to float32 (:func:`_one_row_kernel`); each weight row prefetches the weights ahead_bytes on. For numba code
+    (the fused decode step of a residual block); from Python, :func:`matvec_cpu`."""
     raise NotImplementedError  # numba only (the overload below)
 
 
@@ -698,18 +700,18 @@ def _as_float32_impl(x):  # type: ignore[no-untyped-def]
 @overload(matvec_row)
 def _matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
-    if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in FAST_DOTS:
+    if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
         def bf16(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            fast, ahead, _ = settings
+            fast, _, ahead, _ = settings
             if fast:
                 _one_row_bf16_kernel(x, arrays, tiles, bias, ahead, out)
             else:
                 _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, ahead, out)
 
         return bf16
-    if stored == types.int8 and "int8" in FAST_DOTS:
+    if stored == types.int8 and "int8" in DOT_INSTRUCTIONS:
         def int8(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            fast, ahead, _ = settings
+            _, fast, ahead, _ = settings
             if fast:
                 high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
                 step = _quantize_row_int16(x, high, low)
@@ -721,19 +723,19 @@ def _matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ig
         return int8
 
     def widened(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, settings[1], out)
+        _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, settings[2], out)
 
     return widened
 
 
 def matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     """out (B, N) float32 = x (B, K) (float32, or bfloat16 as its uint16 bits) times matrices as :func:`matvec_row`
-    takes them. One row: :func:`matvec_row`. Several rows of int8 weights, with fast (``settings``, see
-    :func:`matvec_row`) where the host has ``vpdpbusd``: each row rounded to its own int16 steps, then through the
-    tile unit where ``settings`` says tiles (:func:`_rows_int8_tiles_kernel`) or ``vpdpbusd``
-    (:func:`_rows_int8_kernel`, prefetching ahead_bytes); anything else (and rows with an infinite or NaN entry,
-    which int16 steps cannot hold) widened to float32 (:func:`_matvec_kernel`). For numba code (the fused decode step
-    of a residual block); from Python, :func:`matvec_cpu`."""
+    takes them. One row: :func:`matvec_row`. Several rows of int8 weights, where ``settings`` (see
+    :func:`kernel_settings`) says int8 and the host has ``vpdpbusd``: each row rounded to its own int16 steps, then
+    through the tile unit where ``settings`` says tiles (:func:`_rows_int8_tiles_kernel`) or ``vpdpbusd``
+    (:func:`_rows_int8_kernel`, prefetching ahead_bytes); anything else (and rows with an infinite or NaN entry, which
+    int16 steps cannot hold) widened to float32 (:func:`_matvec_kernel`). For numba code (the fused decode step of a
+    residual block); from Python, :func:`matvec_cpu`."""
     raise NotImplementedError  # numba only (the overload below)
 
 
@@ -747,14 +749,14 @@ def int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out)
 @overload(int8_rows)
 def _int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     def vnni(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[1], out)
+        _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[2], out)
 
     if not TILE_INSTRUCTIONS:  # (LLVM cannot compile the tile kernel for this host)
         return vnni
 
     def tiled(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        if not settings[2]:
-            _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[1], out)
+        if not settings[3]:
+            _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[2], out)
             return
         B, K = steps.shape[0], high.shape[1]
         packed = np.zeros((-(-B // TILE_INPUTS), K // 4 + 1, TILE_BYTES), np.uint8)
@@ -777,7 +779,7 @@ def _widened_rows(x, arrays, tiles, scale, bias, out):  # type: ignore[no-untype
 @overload(matvec_rows)
 def _matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
-    if stored != types.int8 or "int8" not in FAST_DOTS:
+    if stored != types.int8 or "int8" not in DOT_INSTRUCTIONS:
         def other(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
             if x.shape[0] == 1:
                 matvec_row(x[0], arrays, tiles, scale, bias, sums, settings, out[0])
@@ -791,7 +793,7 @@ def _matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: i
         if B == 1:
             matvec_row(x[0], arrays, tiles, scale, bias, sums, settings, out[0])
             return
-        if settings[0]:
+        if settings[1]:
             padded_rows = -(-B // ROWS) * ROWS
             high, low = np.zeros((padded_rows, K), np.uint8), np.zeros((padded_rows, K), np.uint8)
             steps = np.empty(B, np.float32)

@@ -27,8 +27,9 @@ or 64 narrow pairs at once, so the kernel streams the weights at close to the re
   next weight blocks, which the hardware prefetcher does not fetch while the block before is read again from L1).
 
 n must be a multiple of :data:`VECTOR` (several accumulators, so that their chains of multiply-adds overlap).
-:data:`FAST_DOTS` names the weight dtypes this host has an instruction for (none on a host without them, or with
-``GRIFFIN_MATVEC=generic``): the kernels that call these are only compiled where they run.
+:data:`DOT_INSTRUCTIONS` names the weight dtypes this host has an instruction for: the kernels that call these are only
+compiled where the host has them. :data:`FAST_DOTS` (none with ``GRIFFIN_MATVEC=generic``) and :data:`FAST_TILES` say
+whether a process takes them, read at each call.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ VECTOR = 32 * UNROLL  # inputs per loop iteration (dot_uint16_int8: two accumula
 DOT_CHUNK = 1 << 16
 
 
-def host_dots() -> frozenset[str]:
-    """The weight dtypes ("bfloat16", "int8") whose dot product this host computes with the instructions above, for
-    the CPU numba compiles for (the host, unless NUMBA_CPU_NAME says otherwise); none with GRIFFIN_MATVEC=generic."""
-    if os.environ.get("GRIFFIN_MATVEC", "").lower() == "generic" or numba.config.CPU_NAME not in (None, "host"):
+def dot_instructions() -> frozenset[str]:
+    """The weight dtypes ("bfloat16", "int8") whose dot product numba compiles with the instructions above for this
+    host: the CPU numba compiles for (the host, unless NUMBA_CPU_NAME says otherwise) has them, whatever
+    GRIFFIN_MATVEC says. Kernels that hold these paths are compiled (and cached) alike in every process on the host;
+    :data:`FAST_DOTS` says whether a process takes them."""
+    if numba.config.CPU_NAME not in (None, "host"):
         return frozenset()
     features = llvm.get_host_cpu_features()
     dots = set()
@@ -65,6 +68,17 @@ def host_dots() -> frozenset[str]:
     if features.get("avx512vnni") and features.get("avx512bw"):
         dots.add("int8")
     return frozenset(dots)
+
+
+DOT_INSTRUCTIONS = dot_instructions()
+
+
+def host_dots() -> frozenset[str]:
+    """The weight dtypes whose dot product this process computes with the instructions above
+    (:func:`dot_instructions`); none with GRIFFIN_MATVEC=generic."""
+    if os.environ.get("GRIFFIN_MATVEC", "").lower() == "generic":
+        return frozenset()
+    return dot_instructions()
 
 
 FAST_DOTS = host_dots()
