@@ -98,8 +98,8 @@ class FusedResidualBlock(nn.Module):
                 t.is_contiguous() for t in (self.temporal_pre_norm.scale, self.channel_pre_norm.scale)):
             return None
         return BlockStep.prepare((self.temporal_pre_norm.scale, self.channel_pre_norm.scale),
-                                (self.temporal_pre_norm.eps, self.channel_pre_norm.eps),
-                                *(m.prepared for m in layers), mlp.gelu_approximation)
+                                 (self.temporal_pre_norm.eps, self.channel_pre_norm.eps),
+                                 *(m.prepared for m in layers), mlp.gelu_approximation)
 
     def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
         if not (self.fusable and cache is not None and x.shape[1] == 1 and ctx.reset is None and ctx.pad is None
