@@ -64,3 +64,24 @@ def test_decode_benchmark_splits_a_step_into_its_kernel_calls(tmp_path, capsys):
         ops = {o["op"] for o in prof["ops"]}
         assert {"matvec (numba)", "recurrent residual block, one call (numba)",
                 "attention residual block, one call (numba)"} <= ops, ops  # one row: the output layer, one call a block
+
+
+def test_int8_beside_bf16_is_timed_in_turn_with_it(tmp_path):
+    """``--int8-beside-bf16``: an int8 copy of the bfloat16 model (quantised apart: the bfloat16 model keeps its
+    weights), its steps in turn with the bfloat16 model's, and its ratio to that run as a goal of its own."""
+    out = tmp_path / "beside.json"
+    benchmark = load_benchmark("decode_cpu")
+    assert benchmark.main(["--models", "griffin-tiny", "--dtypes", "bfloat16", "--batches", "1", "2", "--no-hf",
+                           "--int8-beside-bf16", "--warmup", "1", "--steps", "2", "--threads", "1", "--read-gib",
+                           "0.01", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = {(r["path"], r["batch"]): r for r in results["rows"]}
+    assert sorted(rows) == sorted((p, b) for p in ("griffin", benchmark.BESIDE) for b in (1, 2))
+    for b in (1, 2):
+        bf16, int8 = rows["griffin", b], rows[benchmark.BESIDE, b]
+        assert (bf16["dtype"], int8["dtype"]) == ("bfloat16", "int8")
+        assert int8["weight_gb"] < 0.75 * bf16["weight_gb"]  # the int8 copy's own bytes
+        assert int8["reads_gbps_between"] == bf16["reads_gbps_between"]  # one run, the same rounds
+        assert int8["vs_bf16"] == pytest.approx(int8["tokens_per_s"] / bf16["tokens_per_s"])
+    goals = [g for g in results["goals"] if g["goal"] == "int8 >= 1.8x bf16 tokens/s, steps in turn"]
+    assert [g["value"] for g in goals] == [rows[benchmark.BESIDE, b]["vs_bf16"] for b in (1, 2)]
