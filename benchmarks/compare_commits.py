@@ -33,6 +33,12 @@ MEASUREMENTS = {
     "train_w512": dict(kind="train", width=512),
     "decode_eager": dict(kind="decode", compile=False),
     "decode_compiled": dict(kind="decode", compile=True),
+    # the blocks of griffin-1.3b (its width, recurrent width, MLP and heads; 6 blocks, a vocabulary of 4096 so that
+    # the blocks' matmuls dominate), random weights, one token per row after a 16-token prompt
+    "decode_1p3b_blocks_bf16_b1": dict(kind="blocks", weights="bfloat16", batch=1),
+    "decode_1p3b_blocks_int8_b1": dict(kind="blocks", weights="int8", batch=1),
+    "decode_1p3b_blocks_bf16_b8": dict(kind="blocks", weights="bfloat16", batch=8),
+    "decode_1p3b_blocks_int8_b8": dict(kind="blocks", weights="int8", batch=8),
 }
 
 
@@ -90,8 +96,27 @@ def worker() -> None:
             cache[key] = [dec, tokens]
         return cache[key]
 
-    def decode_steps(compile: bool, n: int = 24) -> list[float]:
-        entry = decoder(compile)
+    def blocks_decoder(weights: str, batch: int):
+        key = f"blocks{weights}{batch}"
+        if key not in cache:
+            from griffin.quantize import quantize_int8
+
+            torch.manual_seed(0)
+            model = CausalLM(ModelConfig.from_preset("griffin-1.3b", depth=6, vocab_size=4096)).eval()
+            model = model.to(torch.bfloat16)
+            model = quantize_int8(model) if weights == "int8" else model
+            prompts = torch.randint(0, 4096, (batch, 16), generator=torch.Generator().manual_seed(2))
+            with torch.no_grad():
+                logits, kv = prefill(model, prompts, max_length=16 + 4096)
+            dec = Decoder(model, kv)
+            tokens = logits.argmax(-1)
+            for _ in range(3):
+                tokens = dec(tokens).argmax(-1)
+            cache[key] = [dec, tokens]
+        return cache[key]
+
+    def decode_steps(compile: bool, n: int = 24, entry: list | None = None) -> list[float]:
+        entry = entry or decoder(compile)
         dec, tokens = entry
         times = []
         with torch.no_grad():
@@ -114,6 +139,8 @@ def worker() -> None:
                 start = time.perf_counter()
                 train_step(spec["width"])
                 times.append(time.perf_counter() - start)
+        elif spec["kind"] == "blocks":
+            times = decode_steps(False, 12, blocks_decoder(spec["weights"], spec["batch"]))
         else:
             times = decode_steps(spec["compile"])
         print(json.dumps({"ms": 1e3 * statistics.median(times)}), flush=True)

@@ -188,6 +188,15 @@ MUTATIONS = [
         ("tests/ops/test_matvec.py::test_kernel_rounds_x_to_int16_steps_as_the_reference",),
     ),
     Mutation(
+        "tasks-share-overlap",
+        "a worker's share of a phase's tasks in a block's parallel region reaches into the next worker's (a task run "
+        "twice: a matmul's tile written twice, the recurrence of a gate block stepped twice)",
+        "src/griffin/ops/tasks.py",
+        "        if i < hi:",
+        "        if i <= hi and i < tasks:",
+        ("tests/ops/test_tasks.py::test_phases_run_each_task_once_and_end_with_any_thread_count",),
+    ),
+    Mutation(
         "tiles-low-byte",
         "the AMX kernel adds each input row's high-byte sums where its low-byte sums belong (int8 decode of several "
         "rows off by up to 1/128 of each row's scale, on hosts with AMX)",

@@ -8,8 +8,8 @@ runs a step through the kernels of :mod:`griffin.ops.decode_step` around the blo
 two RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections:
 for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Where
 the block's four projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one
-call of those kernels and the matmuls (:func:`griffin.ops.decode_step.recurrent_block_step`,
-:func:`~griffin.ops.decode_step.attention_block_step`).
+call of those kernels and the matmuls, and one parallel region
+(:func:`griffin.ops.decode_step.recurrent_block_step`, :func:`~griffin.ops.decode_step.attention_block_step`).
 Anything else (a prompt, a document start or padding, a compiled step, gradients) goes through the block as it is, so
 the copy computes what the model computes, up to float32 rounding inside the kernels.
 """

@@ -11,7 +11,8 @@ dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the mo
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
 before using them). A residual block's whole step is one call (:func:`recurrent_block_step`,
 :func:`attention_block_step`): these kernels around its four weight matmuls
-(:func:`griffin.ops.matvec.cpu.matvec_rows`). e^x and the sigmoid are the fused RG-LRU kernel's
+(:func:`griffin.ops.matvec.cpu.rows_task`), in one parallel region whose threads share their tasks
+(:mod:`griffin.ops.tasks`). e^x and the sigmoid are the fused RG-LRU kernel's
 (:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a
 scalar call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
 :class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`):
@@ -33,8 +34,18 @@ from numba.extending import intrinsic, overload
 from torch import Tensor
 
 from griffin.ops.matvec import cpu as matvec_module
-from griffin.ops.matvec.cpu import CALLS_PARALLEL, MatvecWeights, block_product, matvec_rows, storage, widen
+from griffin.ops.matvec.cpu import (
+    PRANGE_ONLY,
+    MatvecWeights,
+    block_product,
+    prepare_rows,
+    rows_buffers,
+    rows_task,
+    storage,
+    widen,
+)
 from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
+from griffin.ops.tasks import claim, counters, finish, single, wait
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
 
@@ -145,54 +156,61 @@ def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
             out_row[m] = narrow(widen(out_row[m]) * _rounded(widen(up[m]), like), like)
 
 
-@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """One token of the recurrent block between its projections (Figure 2c), for y_u (B, 2R) = [y, u] the rows of its
-    two branches: the Conv1D step on u (``conv_state`` (B, K-1, R) holds the previous inputs and is shifted by one),
-    the block-diagonal gates on its output, the RG-LRU step on ``h`` (B, R) float32 (in place), and out (B, R) =
-    RG-LRU output * GeLU(y). A task per gate block: a block's channels need nothing of the others."""
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """One token of the recurrent block between its projections (Figure 2c) for the channels of gate block ``blk``,
+    for y_u (B, 2R) = [y, u] the rows of its two branches: the Conv1D step on u (``conv_state`` (B, K-1, R) holds the
+    previous inputs and is shifted by one), the block-diagonal gates on its output, the RG-LRU step on ``h`` (B, R)
+    float32 (in place), and out (B, R) = RG-LRU output * GeLU(y). A block's channels need nothing of the others."""
     B, R = h.shape
     K = conv_w.shape[0]
-    H, Din, Dout = gx_w.shape
+    _, Din, Dout = gx_w.shape
     like = out.dtype.type(0)  # the model's dtype, for the roundings
-    for blk in prange(H):
-        lo = blk * Din
-        xs = np.empty((B, Din), np.float32)
-        gx = np.empty((B, Dout), np.float32)
-        ga = np.empty((B, Dout), np.float32)
-        gelu_y = np.empty((B, Dout), out.dtype)
-        w_row = np.empty(Dout, np.float32)  # a row of a gate's matrix, widened once for all rows
-        _gelu_rows(y_u, lo, exact, gelu_y)
-        for b in range(B):  # the Conv1D on the block's channels, channels innermost (row slices: LLVM vectorises)
-            x_row, u_row, hi = xs[b], y_u[b, R + lo : R + lo + Din], lo + Din
-            last, bias = conv_w[K - 1, lo:hi], conv_b[lo:hi]
-            for i in range(Din):  # the model's order and roundings: (u w[K-1] + b), then + x_{t-s} w[K-1-s]
-                x_row[i] = _rounded(_rounded(_rounded(widen(u_row[i]), like) * widen(last[i]), like)
-                                    + widen(bias[i]), like)
-            for j in range(K - 2, -1, -1):  # s = K-1-j = 1, ..., K-1
-                past, w_j = conv_state[b, j, lo:hi], conv_w[j, lo:hi]
-                for i in range(Din):
-                    x_row[i] = _rounded(x_row[i] + _rounded(widen(past[i]) * widen(w_j[i]), like), like)
-            for j in range(K - 2):  # the state shifts by one input
-                past, newer = conv_state[b, j, lo:hi], conv_state[b, j + 1, lo:hi]
-                for i in range(Din):
-                    past[i] = newer[i]
-            if K > 1:
-                past = conv_state[b, K - 2, lo:hi]
-                for i in range(Din):
-                    past[i] = narrow(widen(u_row[i]), like)
-        block_product(xs, 0, gx_w, gx_b, blk, gx, 0, w_row)  # the gates: this block's (Din, Dout) matrices
-        block_product(xs, 0, ga_w, ga_b, blk, ga, 0, w_row)
-        for b in range(B):  # the RG-LRU step (Section 2.4) and the product with the GeLU branch
-            h_row, out_row, scale_row = h[b, lo : lo + Dout], out[b, lo : lo + Dout], log_a_scale[lo : lo + Dout]
-            gx_row, ga_row, x_row, y_row = gx[b], ga[b], xs[b], gelu_y[b]  # (slices: LLVM sees consecutive indices)
-            for o in range(Dout):
-                a = exp_vectorizable(scale_row[o] * sigmoid_vectorizable(_rounded(ga_row[o], like)))  # float64
-                multiplier = math.sqrt(1.0 - a * a)
-                state = np.float32(a * h_row[o] + multiplier * (sigmoid_vectorizable(_rounded(gx_row[o], like))
-                                                                * x_row[o]))
-                h_row[o] = state
-                out_row[o] = narrow(_rounded(state, like) * widen(y_row[o]), like)
+    lo = blk * Din
+    xs = np.empty((B, Din), np.float32)
+    gx = np.empty((B, Dout), np.float32)
+    ga = np.empty((B, Dout), np.float32)
+    gelu_y = np.empty((B, Dout), out.dtype)
+    w_row = np.empty(Dout, np.float32)  # a row of a gate's matrix, widened once for all rows
+    _gelu_rows(y_u, lo, exact, gelu_y)
+    for b in range(B):  # the Conv1D on the block's channels, channels innermost (row slices: LLVM vectorises)
+        x_row, u_row, hi = xs[b], y_u[b, R + lo : R + lo + Din], lo + Din
+        last, bias = conv_w[K - 1, lo:hi], conv_b[lo:hi]
+        for i in range(Din):  # the model's order and roundings: (u w[K-1] + b), then + x_{t-s} w[K-1-s]
+            x_row[i] = _rounded(_rounded(_rounded(widen(u_row[i]), like) * widen(last[i]), like)
+                                + widen(bias[i]), like)
+        for j in range(K - 2, -1, -1):  # s = K-1-j = 1, ..., K-1
+            past, w_j = conv_state[b, j, lo:hi], conv_w[j, lo:hi]
+            for i in range(Din):
+                x_row[i] = _rounded(x_row[i] + _rounded(widen(past[i]) * widen(w_j[i]), like), like)
+        for j in range(K - 2):  # the state shifts by one input
+            past, newer = conv_state[b, j, lo:hi], conv_state[b, j + 1, lo:hi]
+            for i in range(Din):
+                past[i] = newer[i]
+        if K > 1:
+            past = conv_state[b, K - 2, lo:hi]
+            for i in range(Din):
+                past[i] = narrow(widen(u_row[i]), like)
+    block_product(xs, 0, gx_w, gx_b, blk, gx, 0, w_row)  # the gates: this block's (Din, Dout) matrices
+    block_product(xs, 0, ga_w, ga_b, blk, ga, 0, w_row)
+    for b in range(B):  # the RG-LRU step (Section 2.4) and the product with the GeLU branch
+        h_row, out_row, scale_row = h[b, lo : lo + Dout], out[b, lo : lo + Dout], log_a_scale[lo : lo + Dout]
+        gx_row, ga_row, x_row, y_row = gx[b], ga[b], xs[b], gelu_y[b]  # (slices: LLVM sees consecutive indices)
+        for o in range(Dout):
+            a = exp_vectorizable(scale_row[o] * sigmoid_vectorizable(_rounded(ga_row[o], like)))  # float64
+            multiplier = math.sqrt(1.0 - a * a)
+            state = np.float32(a * h_row[o] + multiplier * (sigmoid_vectorizable(_rounded(gx_row[o], like))
+                                                            * x_row[o]))
+            h_row[o] = state
+            out_row[o] = narrow(_rounded(state, like) * widen(y_row[o]), like)
+
+
+@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """:func:`_recurrent_head` of every gate block, a task each."""
+    for blk in prange(gx_w.shape[0]):
+        _recurrent_head(np.int64(blk), y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact,
+                        out)
 
 
 def _check_dtype(name: str, t: Tensor) -> None:
@@ -220,23 +238,23 @@ def _rotated(row, base, cos, sin, like, out):  # type: ignore[no-untyped-def]
         out[i] = _rounded(widen(row[base + i]), like)
 
 
-@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """One token of multi-query attention between its projections (Section 2.3), for qkv (B, (H + 2 H_kv) d) = [q, k,
-    v] the rows of the three projections: the new key (with RoPE) and value written to each row's cache slot (local:
-    a ring of S slots, slot count mod S; global: slot count), ``count`` (B,) advanced; then each query head (with
-    RoPE) over the first ``slots`` slots that hold its document (``seg_cache`` == ``segments``), global ones up to
-    its own: scores rounded to the model's dtype, softmax in float32, probabilities rounded, out (B, H d) their sum
-    of values. A task per row, key/value head and ``per_task`` of the query heads that share it."""
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _attention_check(k_cache, count, local):  # type: ignore[no-untyped-def]
+    """Raise if a global cache has no slot left for the new token (before anything is written)."""
+    for b in range(k_cache.shape[0]):
+        if not local and count[b] >= k_cache.shape[1]:
+            raise ValueError("attention_step: a global attention cache is full")
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """The new key (with RoPE) and value of each row of qkv written to its cache slot (local: a ring of S slots,
+    slot count mod S; global: slot count), ``count`` advanced: before any query reads the cache."""
     B, S, Hk, d = k_cache.shape
     H = out.shape[1] // d
-    G = H // Hk
     like = out.dtype.type(0)
-    for b in range(B):  # (before anything is written)
-        if not local and count[b] >= S:
-            raise ValueError("attention_step: a global attention cache is full")
-    key = np.empty(d, np.float32)  # (serial: no task shares it)
-    for b in range(B):  # the new keys and values first: every query reads them
+    key = np.empty(d, np.float32)
+    for b in range(B):
         slot = count[b] % S if local else count[b]
         for j in range(Hk):
             _rotated(qkv[b], (H + j) * d, cos[b], sin[b], like, key)
@@ -246,79 +264,109 @@ def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segment
                 v_row[i] = narrow(widen(vs[i]), like)
         seg_cache[b, slot] = segments[b]
         count[b] += 1
+
+
+@numba.njit(inline="always")
+def _attention_tasks(k_cache, out, per_task):  # type: ignore[no-untyped-def]
+    """How many tasks :func:`_attention_task` splits the queries into."""
+    Hk, d = k_cache.shape[2], k_cache.shape[3]
+    return k_cache.shape[0] * Hk * -(-(out.shape[1] // d // Hk) // per_task)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """Task ``task`` of the queries (after :func:`_attention_write`): a row b, a key/value head j and ``per_task`` of
+    the query heads that share it, each (with RoPE) over the first ``slots`` slots that hold its document
+    (``seg_cache`` == ``segments``), global ones up to its own: scores rounded to the model's dtype, softmax in
+    float32, probabilities rounded, out (B, H d) their sum of values."""
+    B, S, Hk, d = k_cache.shape
+    H = out.shape[1] // d
+    G = H // Hk
+    like = out.dtype.type(0)
     chunks = -(-G // per_task)
-    for task in prange(B * Hk * chunks):
-        b, j, g0 = task // (Hk * chunks), (task // chunks) % Hk, (task % chunks) * per_task
-        n = min(per_task, G - g0)
-        last = slots - 1 if local else count[b] - 1  # the newest slot a query sees
-        qs = np.empty((n, d), np.float32)
-        for g in range(n):
-            _rotated(qkv[b], (j * G + g0 + g) * d, cos[b], sin[b], like, qs[g])
-        visible = np.empty(slots, np.int64)  # the slots this row's queries see: their document's, up to their own
-        m = 0
-        for s in range(min(slots, last + 1)):
-            if seg_cache[b, s] == segments[b]:
-                visible[m] = s
-                m += 1
-        rows = np.empty((4, d), np.float32)  # four key or value rows, widened once for the n queries
-        probs = np.empty((n, m), np.float32)
-        for s0 in range(0, m, 4):  # scores: four key rows at a time against each query
-            r = min(4, m - s0)
-            for t in range(r):
-                k_row, w_row = k_cache[b, visible[s0 + t], j], rows[t]
-                for i in range(d):
-                    w_row[i] = widen(k_row[i])
-            for g in range(n):
-                q, p_row = qs[g], probs[g]
-                if r == 4:
-                    k0, k1, k2, k3 = rows[0], rows[1], rows[2], rows[3]
-                    a0 = a1 = a2 = a3 = np.float32(0.0)
-                    for i in range(d):
-                        a0 += q[i] * k0[i]
-                        a1 += q[i] * k1[i]
-                        a2 += q[i] * k2[i]
-                        a3 += q[i] * k3[i]
-                    p_row[s0], p_row[s0 + 1], p_row[s0 + 2], p_row[s0 + 3] = a0, a1, a2, a3
-                else:
-                    for t in range(r):
-                        a, k_t = np.float32(0.0), rows[t]
-                        for i in range(d):
-                            a += q[i] * k_t[i]
-                        p_row[s0 + t] = a
-        for g in range(n):  # softmax, in float32 of the scores rounded to the model's dtype; then rounded too
-            p_row, high, total = probs[g], np.float32(-np.inf), np.float32(0.0)
-            for s in range(m):
-                p_row[s] = _rounded(np.float32(scale) * p_row[s], like)
-                high = max(high, p_row[s])
-            for s in range(m):
-                p_row[s] = np.float32(exp_vectorizable(np.float64(p_row[s] - high)))
-                total += p_row[s]
-            for s in range(m):
-                p_row[s] = _rounded(p_row[s] / total, like)
-        acc_v = np.zeros((n, d), np.float32)
-        for s0 in range(0, m, 4):  # the values: four rows at a time into each query's sum
-            r = min(4, m - s0)
-            for t in range(4):
-                w_row = rows[t]
-                if t < r:
-                    v_row = v_cache[b, visible[s0 + t], j]
-                    for i in range(d):
-                        w_row[i] = widen(v_row[i])
-                else:
-                    w_row[:] = 0.0
-            v0, v1, v2, v3 = rows[0], rows[1], rows[2], rows[3]
-            for g in range(n):
-                p_row, a = probs[g], acc_v[g]
-                p0 = p_row[s0]
-                p1 = p_row[s0 + 1] if r > 1 else np.float32(0.0)
-                p2 = p_row[s0 + 2] if r > 2 else np.float32(0.0)
-                p3 = p_row[s0 + 3] if r > 3 else np.float32(0.0)
-                for i in range(d):
-                    a[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
-        for g in range(n):
-            o = out[b, (j * G + g0 + g) * d : (j * G + g0 + g + 1) * d]
+    b, j, g0 = task // (Hk * chunks), (task // chunks) % Hk, (task % chunks) * per_task
+    n = min(per_task, G - g0)
+    last = slots - 1 if local else count[b] - 1  # the newest slot a query sees
+    qs = np.empty((n, d), np.float32)
+    for g in range(n):
+        _rotated(qkv[b], (j * G + g0 + g) * d, cos[b], sin[b], like, qs[g])
+    visible = np.empty(slots, np.int64)  # the slots this row's queries see: their document's, up to their own
+    m = 0
+    for s in range(min(slots, last + 1)):
+        if seg_cache[b, s] == segments[b]:
+            visible[m] = s
+            m += 1
+    rows = np.empty((4, d), np.float32)  # four key or value rows, widened once for the n queries
+    probs = np.empty((n, m), np.float32)
+    for s0 in range(0, m, 4):  # scores: four key rows at a time against each query
+        r = min(4, m - s0)
+        for t in range(r):
+            k_row, w_row = k_cache[b, visible[s0 + t], j], rows[t]
             for i in range(d):
-                o[i] = narrow(acc_v[g, i], like)
+                w_row[i] = widen(k_row[i])
+        for g in range(n):
+            q, p_row = qs[g], probs[g]
+            if r == 4:
+                k0, k1, k2, k3 = rows[0], rows[1], rows[2], rows[3]
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                for i in range(d):
+                    a0 += q[i] * k0[i]
+                    a1 += q[i] * k1[i]
+                    a2 += q[i] * k2[i]
+                    a3 += q[i] * k3[i]
+                p_row[s0], p_row[s0 + 1], p_row[s0 + 2], p_row[s0 + 3] = a0, a1, a2, a3
+            else:
+                for t in range(r):
+                    a, k_t = np.float32(0.0), rows[t]
+                    for i in range(d):
+                        a += q[i] * k_t[i]
+                    p_row[s0 + t] = a
+    for g in range(n):  # softmax, in float32 of the scores rounded to the model's dtype; then rounded too
+        p_row, high, total = probs[g], np.float32(-np.inf), np.float32(0.0)
+        for s in range(m):
+            p_row[s] = _rounded(np.float32(scale) * p_row[s], like)
+            high = max(high, p_row[s])
+        for s in range(m):
+            p_row[s] = np.float32(exp_vectorizable(np.float64(p_row[s] - high)))
+            total += p_row[s]
+        for s in range(m):
+            p_row[s] = _rounded(p_row[s] / total, like)
+    acc_v = np.zeros((n, d), np.float32)
+    for s0 in range(0, m, 4):  # the values: four rows at a time into each query's sum
+        r = min(4, m - s0)
+        for t in range(4):
+            w_row = rows[t]
+            if t < r:
+                v_row = v_cache[b, visible[s0 + t], j]
+                for i in range(d):
+                    w_row[i] = widen(v_row[i])
+            else:
+                w_row[:] = 0.0
+        v0, v1, v2, v3 = rows[0], rows[1], rows[2], rows[3]
+        for g in range(n):
+            p_row, a = probs[g], acc_v[g]
+            p0 = p_row[s0]
+            p1 = p_row[s0 + 1] if r > 1 else np.float32(0.0)
+            p2 = p_row[s0 + 2] if r > 2 else np.float32(0.0)
+            p3 = p_row[s0 + 3] if r > 3 else np.float32(0.0)
+            for i in range(d):
+                a[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i]
+    for g in range(n):
+        o = out[b, (j * G + g0 + g) * d : (j * G + g0 + g + 1) * d]
+        for i in range(d):
+            o[i] = narrow(acc_v[g, i], like)
+
+
+@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """One token of multi-query attention between its projections (Section 2.3), for qkv (B, (H + 2 H_kv) d) = [q, k,
+    v] the rows of the three projections: :func:`_attention_write`, then :func:`_attention_task` of each row,
+    key/value head and ``per_task`` of the query heads that share it, a task each."""
+    _attention_check(k_cache, count, local)
+    _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, out)
+    for task in prange(_attention_tasks(k_cache, out, per_task)):
+        _attention_task(np.int64(task), qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots,
+                        scale, per_task, out)
 
 
 @dataclass
@@ -474,71 +522,181 @@ def _exact(approximation: str) -> bool:
     return approximation == "none"
 
 
-# A residual block's whole step in one call: the kernels above around the block's four weight matmuls
-# (``matvec_rows``), so that a 1-3B model's decode step makes one call from Python per block instead of about eight
-# (each with its checks, views and allocations, run with caches that the weights streamed in between had emptied).
+# A residual block's whole step in one call, and in one parallel region: these kernels' tasks around the block's four
+# weight matmuls (:func:`griffin.ops.matvec.cpu.rows_task`), in phases that the threads share
+# (:mod:`griffin.ops.tasks`). A call per block from Python instead of about eight (each with its checks, views and
+# allocations), and one wake-up of the sleeping threads instead of one per kernel (five or six per block).
 
 
-@numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
-def _mlp_half(x, mixed, scale, eps, up, down, exact, settings, out):  # type: ignore[no-untyped-def]
-    """The channel half of a residual block for rows x (B, D): residual = x + mixed (the temporal block's output in
-    float32, first rounded as its layer's output), RMSNorm, the gated MLP (``up``, ``down``: :func:`matvec_rows`'s
-    matrices), out = residual + its output, everything rounded where the model rounds."""
+@numba.njit(inline="always")
+def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):  # type: ignore[no-untyped-def]
+    """Phase ``phase``: out = x times the matrices m (:meth:`MatvecWeights.kernel_args`), a task per tile, x prepared
+    into ``buffers`` (:func:`griffin.ops.matvec.cpu.prepare_rows`) by a phase before."""
+    tiles = m[1].shape[0]
+    t = claim(c, phase, worker, tiles)
+    while t < tiles:
+        rows_task(t, x, buffers, m[0], m[1], m[2], m[3], m[4], settings, out)
+        finish(c, phase)
+        t = claim(c, phase, worker, tiles)
+    wait(c, phase, tiles)
+
+
+MLP_PHASES = 5  # phases of :func:`_mlp_tasks`
+
+
+@numba.njit(fastmath=True, error_model="numpy")
+def _mlp_tasks(c, first, worker, x, mixed, scale, eps, up, down, exact, settings, residual, normed, up_in, gate_up, hidden,  # type: ignore[no-untyped-def]  # noqa: E501
+               down_in, down_out, out):
+    """The channel half of a residual block for rows x (B, D), the share of ``worker`` from phase ``first`` on:
+    residual = x + mixed (the temporal block's output in float32, first rounded as its layer's output), RMSNorm, the
+    gated MLP (``up``, ``down``), out = residual + its output, everything rounded where the model rounds. The buffers
+    between are :func:`_mlp_buffers`'."""
     like = out.dtype.type(0)
     B, D = x.shape
-    residual, normed = np.empty_like(x), np.empty_like(x)
-    for b in range(B):
-        for d in range(D):
-            residual[b, d] = narrow(widen(x[b, d]) + _rounded(mixed[b, d], like), like)
-        _normalise(residual[b], scale, eps, normed[b])
-    gate_up = np.empty((B, up[3].shape[0]), np.float32)
-    matvec_rows(normed, up[0], up[1], up[2], up[3], up[4], settings, gate_up)
-    hidden = np.empty((B, gate_up.shape[1] // 2), x.dtype)
-    _gelu_product_kernel(gate_up, exact, hidden)
-    down_out = np.empty((B, D), np.float32)
-    matvec_rows(hidden, down[0], down[1], down[2], down[3], down[4], settings, down_out)
-    for b in range(B):
-        for d in range(D):
-            out[b, d] = narrow(widen(residual[b, d]) + _rounded(down_out[b, d], like), like)
+    if single(c, first):
+        for b in range(B):
+            for d in range(D):
+                residual[b, d] = narrow(widen(x[b, d]) + _rounded(mixed[b, d], like), like)
+            _normalise(residual[b], scale, eps, normed[b])
+        prepare_rows(normed, up[0], settings, up_in)
+        finish(c, first)
+    wait(c, first, 1)
+    _matmul_phase(c, first + 1, worker, normed, up_in, up, settings, gate_up)
+    if single(c, first + 2):
+        _gelu_product_kernel(gate_up, exact, hidden)
+        prepare_rows(hidden, down[0], settings, down_in)
+        finish(c, first + 2)
+    wait(c, first + 2, 1)
+    _matmul_phase(c, first + 3, worker, hidden, down_in, down, settings, down_out)
+    if single(c, first + 4):
+        for b in range(B):
+            for d in range(D):
+                out[b, d] = narrow(widen(residual[b, d]) + _rounded(down_out[b, d], like), like)
+        finish(c, first + 4)
 
 
-@numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _normed_rows(x, norms):  # type: ignore[no-untyped-def]
-    """RMSNorm (the temporal pre-norm, ``norms`` as :class:`BlockStep` holds them) of each row of x (B, D)."""
+@numba.njit
+def _mlp_buffers(x, up):  # type: ignore[no-untyped-def]
+    """What :func:`_mlp_tasks`' phases share, for rows x (B, D) and the MLP's ``up`` matrices."""
+    B, D = x.shape
     normed = np.empty_like(x)
-    for b in range(x.shape[0]):
-        _normalise(x[b], norms[0], norms[1], normed[b])
-    return normed
+    hidden = np.empty((B, up[3].shape[0] // 2), x.dtype)
+    return (np.empty_like(x), normed, rows_buffers(normed), np.empty((B, up[3].shape[0]), np.float32), hidden,
+            rows_buffers(hidden), np.empty((B, D), np.float32))
 
 
-@numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
-def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """A residual block with a recurrent temporal block (Figure 2a, c) for rows x (B, D) into out (B, D)."""
-    B = x.shape[0]
-    normed = _normed_rows(x, norms)
-    y_u = np.empty((B, mixer_in[3].shape[0]), np.float32)
-    matvec_rows(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, y_u)
-    hidden = np.empty((B, y_u.shape[1] // 2), x.dtype)
-    _recurrent_kernel(y_u, conv_state, *rec, h, exact, hidden)
-    mixed = np.empty(x.shape, np.float32)
-    matvec_rows(hidden, mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
-    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, settings, out)
+@numba.njit(fastmath=True, error_model="numpy")
+def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, rec, exact, settings, normed, in_buffers, y_u,  # type: ignore[no-untyped-def]  # noqa: E501
+                     hidden, out_buffers, mixed):
+    """A thread's share of the temporal half of a residual block with a recurrent block (Figure 2a, c), phases 0-4:
+    the pre-norm, the input projections, a task per gate block (:func:`_recurrent_head`), the output projection
+    into ``mixed`` (the temporal block's output, float32). The buffers between are :func:`_mixer_buffers`'."""
+    if single(c, 0):
+        for b in range(x.shape[0]):
+            _normalise(x[b], norms[0], norms[1], normed[b])
+        prepare_rows(normed, mixer_in[0], settings, in_buffers)
+        finish(c, 0)
+    wait(c, 0, 1)
+    _matmul_phase(c, 1, worker, normed, in_buffers, mixer_in, settings, y_u)
+    blocks = rec[2].shape[0]
+    blk = claim(c, 2, worker, blocks)
+    while blk < blocks:
+        _recurrent_head(blk, y_u, conv_state, rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], h, exact, hidden)
+        finish(c, 2)
+        blk = claim(c, 2, worker, blocks)
+    wait(c, 2, blocks)
+    if single(c, 3):
+        prepare_rows(hidden, mixer_out[0], settings, out_buffers)
+        finish(c, 3)
+    wait(c, 3, 1)
+    _matmul_phase(c, 4, worker, hidden, out_buffers, mixer_out, settings, mixed)
 
 
-@numba.njit(parallel=CALLS_PARALLEL, fastmath=True, error_model="numpy", cache=True)
-def _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cos, sin, k_cache, v_cache, seg_cache, count,  # type: ignore[no-untyped-def]  # noqa: E501
-                            segments, local, slots, scale, per_task, exact, settings, out):
-    """A residual block with multi-query attention (Figure 2a, Section 2.3) for rows x (B, D) into out (B, D)."""
-    B = x.shape[0]
-    normed = _normed_rows(x, norms)
-    qkv = np.empty((B, mixer_in[3].shape[0]), np.float32)
-    matvec_rows(normed, mixer_in[0], mixer_in[1], mixer_in[2], mixer_in[3], mixer_in[4], settings, qkv)
+@numba.njit(inline="always")
+def _split(m):  # type: ignore[no-untyped-def]
+    """(the matrices, the rest) of :meth:`MatvecWeights.kernel_args`: each a tuple one level deep."""
+    return m[0], m[1:]
+
+
+@numba.njit
+def _mixer_buffers(x, mixer_in, mixer_out):  # type: ignore[no-untyped-def]
+    """What the temporal half's phases share, for rows x (B, D): (normed rows, their matmul buffers, the input
+    projections' output, the output projection's input and its buffers, the temporal block's output)."""
+    B, D = x.shape
+    normed = np.empty_like(x)
     hidden = np.empty((B, mixer_out[0][0].shape[1]), x.dtype)
-    _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task,
-                      hidden)
-    mixed = np.empty(x.shape, np.float32)
-    matvec_rows(hidden, mixer_out[0], mixer_out[1], mixer_out[2], mixer_out[3], mixer_out[4], settings, mixed)
-    _mlp_half(x, mixed, norms[2], norms[3], up, down, exact, settings, out)
+    return (normed, rows_buffers(normed), np.empty((B, mixer_in[3].shape[0]), np.float32), hidden,
+            rows_buffers(hidden), np.empty((B, D), np.float32))
+
+
+@numba.njit(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy", cache=True)
+def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, threads, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """A residual block with a recurrent temporal block (Figure 2a, c) for rows x (B, D) into out (B, D): one
+    parallel region in which each of ``threads`` runs :func:`_recurrent_tasks`, then :func:`_mlp_tasks`."""
+    normed, in_buffers, y_u, hidden, out_buffers, mixed = _mixer_buffers(x, mixer_in, mixer_out)
+    residual, normed_2, up_in, gate_up, hidden_2, down_in, down_out = _mlp_buffers(x, up)
+    (w_in, m_in), (w_out, m_out), (w_up, m_up), (w_down, m_down) = _split(mixer_in), _split(mixer_out), _split(up), \
+        _split(down)
+    c = counters(5 + MLP_PHASES, threads)
+    for w in prange(threads):  # (numba passes a prange's tuples to its threads one level deep: rebuilt here)
+        worker = np.int64(w)
+        _recurrent_tasks(c, worker, x, norms, (w_in,) + m_in, (w_out,) + m_out, conv_state, h, rec, exact, settings,
+                         normed, in_buffers, y_u, hidden, out_buffers, mixed)
+        _mlp_tasks(c, np.int64(5), worker, x, mixed, norms[2], norms[3], (w_up,) + m_up, (w_down,) + m_down, exact,
+                   settings, residual, normed_2, up_in, gate_up, hidden_2, down_in, down_out, out)
+
+
+@numba.njit(fastmath=True, error_model="numpy")
+def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, settings, normed, in_buffers, qkv, hidden,  # type: ignore[no-untyped-def]  # noqa: E501
+                               out_buffers, mixed):
+    """A thread's share of the temporal half of a residual block with multi-query attention (Figure 2a, Section
+    2.3), phases 0-5: the pre-norm, the q/k/v projections, the cache write (:func:`_attention_write`), the queries'
+    tasks (:func:`_attention_task`), the output projection into ``mixed``. The buffers between are
+    :func:`_mixer_buffers`'."""
+    cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task = cache
+    if single(c, 0):
+        for b in range(x.shape[0]):
+            _normalise(x[b], norms[0], norms[1], normed[b])
+        prepare_rows(normed, mixer_in[0], settings, in_buffers)
+        finish(c, 0)
+    wait(c, 0, 1)
+    _matmul_phase(c, 1, worker, normed, in_buffers, mixer_in, settings, qkv)
+    if single(c, 2):
+        _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, hidden)
+        finish(c, 2)
+    wait(c, 2, 1)
+    tasks = _attention_tasks(k_cache, hidden, per_task)
+    task = claim(c, 3, worker, tasks)
+    while task < tasks:
+        _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale,
+                        per_task, hidden)
+        finish(c, 3)
+        task = claim(c, 3, worker, tasks)
+    wait(c, 3, tasks)
+    if single(c, 4):
+        prepare_rows(hidden, mixer_out[0], settings, out_buffers)
+        finish(c, 4)
+    wait(c, 4, 1)
+    _matmul_phase(c, 5, worker, hidden, out_buffers, mixer_out, settings, mixed)
+
+
+@numba.njit(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy", cache=True)
+def _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cache, exact, settings, threads, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """A residual block with multi-query attention (Figure 2a, Section 2.3) for rows x (B, D) into out (B, D), the
+    cache as :func:`_attention_kernel` takes it (a tuple): one parallel region in which each of ``threads`` runs
+    :func:`_attention_tasks_of_thread`, then :func:`_mlp_tasks`."""
+    _attention_check(cache[2], cache[5], cache[7])
+    normed, in_buffers, qkv, hidden, out_buffers, mixed = _mixer_buffers(x, mixer_in, mixer_out)
+    residual, normed_2, up_in, gate_up, hidden_2, down_in, down_out = _mlp_buffers(x, up)
+    (w_in, m_in), (w_out, m_out), (w_up, m_up), (w_down, m_down) = _split(mixer_in), _split(mixer_out), _split(up), \
+        _split(down)
+    c = counters(6 + MLP_PHASES, threads)
+    for w in prange(threads):  # (as in :func:`_recurrent_block_kernel`)
+        worker = np.int64(w)
+        _attention_tasks_of_thread(c, worker, x, norms, (w_in,) + m_in, (w_out,) + m_out, cache, settings, normed,
+                                   in_buffers, qkv, hidden, out_buffers, mixed)
+        _mlp_tasks(c, np.int64(6), worker, x, mixed, norms[2], norms[3], (w_up,) + m_up, (w_down,) + m_down, exact,
+                   settings, residual, normed_2, up_in, gate_up, hidden_2, down_in, down_out, out)
 
 
 @dataclass
@@ -599,7 +757,7 @@ def recurrent_block_step(x: Tensor, block: BlockStep, weights: RecurrentWeights,
     out = torch.empty_like(x)
     _recurrent_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
                             storage(conv_state), h.numpy(), weights.arrays(), block.exact,
-                            matvec_module.kernel_settings(), storage(out))
+                            matvec_module.kernel_settings(), numba.get_num_threads(), storage(out))
     return out
 
 
@@ -615,6 +773,6 @@ def attention_block_step(x: Tensor, block: BlockStep, rope: tuple[Tensor, Tensor
         raise ValueError(f"attention_block_step: the output projection reads {block.mixer_out[0][0].shape[1]} "
                          f"inputs, not the {H} heads of {d}")
     out = torch.empty_like(x)
-    _attention_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, *cache,
-                            block.exact, matvec_module.kernel_settings(), storage(out))
+    _attention_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, cache,
+                            block.exact, matvec_module.kernel_settings(), numba.get_num_threads(), storage(out))
     return out

@@ -17,7 +17,7 @@ the row's larger entries; the sums over int8 weights are then exact integers): 3
 instead of one widening and one multiply-add each, which is what kept the widened loop below the read bandwidth.
 Several rows are taken in blocks of 4 weight rows x 2 input rows, so that each loaded vector serves several
 instructions; where the host has Intel's AMX tiles (:data:`griffin.ops.matvec.isa.FAST_TILES`), several rows of int8
-go through them instead (:func:`_rows_int8_tiles_kernel`: 16 weight rows against the high and low bytes of 8 input
+go through them instead (:func:`_tile_unit_task`: 16 weight rows against the high and low bytes of 8 input
 rows per ``tdpbsud``, the same exact sums). The one-row kernels ask for the weights :data:`PREFETCH_BYTES` ahead.
 The RG-LRU's block-diagonal gates have their own kernel (:func:`block_diagonal_cpu`), which reads each block once
 per row.
@@ -71,7 +71,7 @@ PREFETCH_BYTES = 1 << 16
 # numba's options for a cached function that calls parallel kernels without being one: the parallel pipeline with
 # none of its transformations (nothing of its own runs in parallel). Compiled the plain way, such a function crashed
 # when loaded from the cache once it had a second specialisation (numba issue 8578; found with a float32 and a
-# bfloat16 row through :func:`matvec_row`, tests/ops/test_matvec.py).
+# bfloat16 row through the one-row entry, tests/ops/test_matvec.py).
 CALLS_PARALLEL = dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
                       stencil=False, fusion=False, prange=False)
 # (numba then warns that such a function has nothing to run in parallel, which is the point: not for griffin's.)
@@ -207,23 +207,28 @@ def _row(x, w0, s0, group, out, c, bias0):  # type: ignore[no-untyped-def]
         b += 1
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _matvec_kernel(x, weights, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
-    """out = x W^T per tile: x (B, K) float32; weights a tuple of (N_j, K) matrices of one storage type;
+# The tasks: each computes the output columns of tile t (its matrix's rows) for every input row. A call of the kernel
+# runs the tasks of all tiles in one parallel region (:func:`_matvec_rows_kernel`, or a residual block's step). Each
+# is a function of its own (not inlined), compiled once for all its callers.
+
+
+@numba.njit(fastmath=True, cache=True)
+def _widened_task(t, x, weights, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
+    """out = x W^T for tile t: x (B, K) float32; weights a tuple of (N_j, K) matrices of one storage type;
     tiles (T, 4) int64 rows (matrix j, its first row, the first output column, rows); scale (N, G) float32 and
-    bias (N,) float32 indexed by output column; out (B, N) float32."""
+    bias (N,) float32 indexed by output column; out (B, N) float32. Two weight rows against four input rows at a
+    time."""
     K = x.shape[1]
     group = K // scale.shape[1]
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = weights[j]
-        i = 0
-        while i + 2 <= rows:
-            c = c0 + i
-            _row_pair(x, w[r0 + i], w[r0 + i + 1], scale[c], scale[c + 1], group, out, c, bias[c], bias[c + 1])
-            i += 2
-        if i < rows:
-            _row(x, w[r0 + i], scale[c0 + i], group, out, c0 + i, bias[c0 + i])
+    j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+    w = weights[j]
+    i = 0
+    while i + 2 <= rows:
+        c = c0 + i
+        _row_pair(x, w[r0 + i], w[r0 + i + 1], scale[c], scale[c + 1], group, out, c, bias[c], bias[c + 1])
+        i += 2
+    if i < rows:
+        _row(x, w[r0 + i], scale[c0 + i], group, out, c0 + i, bias[c0 + i])
 
 
 @numba.njit(inline="always")
@@ -237,52 +242,50 @@ def _prefetch_row(w, r, ahead_bytes):  # type: ignore[no-untyped-def]
             prefetch(w, q)
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _one_row_kernel(x, weights, tiles, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
-    """out = x W^T for one input row: x (K,) float32, the weights and tiles as in :func:`_matvec_kernel`, out (N,)
-    float32. One weight row at a time, one accumulator chain per group, which LLVM vectorises over K; each row asks
-    for the weights ``ahead_bytes`` on (:func:`_prefetch_row`)."""
+@numba.njit(fastmath=True, cache=True)
+def _one_row_task(t, x, weights, tiles, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
+    """out = x W^T for one input row, tile t: x (K,) float32, the weights and tiles as in :func:`_widened_task`,
+    out (N,) float32. One weight row at a time, one accumulator chain per group, which LLVM vectorises over K; each
+    row asks for the weights ``ahead_bytes`` on (:func:`_prefetch_row`)."""
     K = x.shape[0]
     group = K // scale.shape[1]
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = weights[j]
-        for i in range(rows):
-            row, c = w[r0 + i], c0 + i
-            _prefetch_row(w, r0 + i, ahead_bytes)
-            total = np.float32(0.0)
-            for g in range(scale.shape[1]):
-                acc = np.float32(0.0)
-                for k in range(group):  # (not range(g * group, ...): LLVM vectorises this form only)
-                    acc += x[g * group + k] * widen(row[g * group + k])
-                total += acc * scale[c, g]
-            out[c] = total + bias[c]
+    j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+    w = weights[j]
+    for i in range(rows):
+        row, c = w[r0 + i], c0 + i
+        _prefetch_row(w, r0 + i, ahead_bytes)
+        total = np.float32(0.0)
+        for g in range(scale.shape[1]):
+            acc = np.float32(0.0)
+            for k in range(group):  # (not range(g * group, ...): LLVM vectorises this form only)
+                acc += x[g * group + k] * widen(row[g * group + k])
+            total += acc * scale[c, g]
+        out[c] = total + bias[c]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _one_row_bf16_kernel(x, weights, tiles, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
-    """out = x W^T + bias for one bfloat16 row x (K,) and bfloat16 weights, both as their uint16 bits (tiles as in
-    :func:`_matvec_kernel`; bias and out (N,) float32): the first K - K mod VECTOR inputs through ``vdpbf16ps``
+@numba.njit(fastmath=True, cache=True)
+def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
+    """out = x W^T + bias for one bfloat16 row x (K,) and bfloat16 weights, both as their uint16 bits, tile t (tiles
+    as in :func:`_widened_task`; bias and out (N,) float32): the first K - K mod VECTOR inputs through ``vdpbf16ps``
     (:func:`griffin.ops.matvec.isa.dot_bf16`), the rest widened; the weights ``ahead_bytes`` on prefetched."""
     K = x.shape[0]
     kv = K - K % VECTOR
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = weights[j]
-        for i in range(rows):
-            row, c = w[r0 + i], c0 + i
-            _prefetch_row(w, r0 + i, ahead_bytes)
-            acc = dot_bf16(x, row, 0, kv)
-            for k in range(kv, K):
-                acc += widen(x[k]) * widen(row[k])
-            out[c] = acc + bias[c]
+    j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+    w = weights[j]
+    for i in range(rows):
+        row, c = w[r0 + i], c0 + i
+        _prefetch_row(w, r0 + i, ahead_bytes)
+        acc = dot_bf16(x, row, 0, kv)
+        for k in range(kv, K):
+            acc += widen(x[k]) * widen(row[k])
+        out[c] = acc + bias[c]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _one_row_int8_kernel(high, low, step, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """out = step (x W^T, each group times its scale) + bias for one row x (K,) of int16 steps of ``step``
+@numba.njit(fastmath=True, cache=True)
+def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """out = step (x W^T, each group times its scale) + bias, tile t, for one row x (K,) of int16 steps of ``step``
     (:func:`griffin.ops.matvec.reference.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
-    ``low``), and int8 weights (tiles as in :func:`_matvec_kernel`) with float32 ``scale`` (N, G) and ``sums``
+    ``low``), and int8 weights (tiles as in :func:`_widened_task`) with float32 ``scale`` (N, G) and ``sums``
     (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`). Over those,
     x w = u w - 32768 sum(w) through ``vpdpbusd`` (:func:`griffin.ops.matvec.isa.dot_uint16_int8`); the rest of the
     group one product at a time. Each group's sum is exact (int64) until it is scaled. The weights ``ahead_bytes`` on
@@ -291,27 +294,26 @@ def _one_row_int8_kernel(high, low, step, weights, tiles, sums, scale, bias, ahe
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = weights[j]
-        for i in range(rows):
-            row, c = w[r0 + i], c0 + i
-            _prefetch_row(w, r0 + i, ahead_bytes)
-            total = np.float32(0.0)
-            for g in range(G):
-                k0 = g * group
-                acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
-                for d in range(0, gv, DOT_CHUNK):
-                    acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d))
-                for k in range(k0 + gv, k0 + group):
-                    acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(row[k])
-                total += np.float32(acc) * scale[c, g]
-            out[c] = total * step + bias[c]
+    j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+    w = weights[j]
+    for i in range(rows):
+        row, c = w[r0 + i], c0 + i
+        _prefetch_row(w, r0 + i, ahead_bytes)
+        total = np.float32(0.0)
+        for g in range(G):
+            k0 = g * group
+            acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
+            for d in range(0, gv, DOT_CHUNK):
+                acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d))
+            for k in range(k0 + gv, k0 + group):
+                acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(row[k])
+            total += np.float32(acc) * scale[c, g]
+        out[c] = total * step + bias[c]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _rows_int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """:func:`_one_row_int8_kernel` for B rows, each with its own int16 steps: ``high``, ``low`` (B', K) with
+@numba.njit(fastmath=True, cache=True)
+def _rows_int8_task(t, high, low, steps, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """:func:`_one_row_int8_task` for B rows, each with its own int16 steps: ``high``, ``low`` (B', K) with
     B' >= B a multiple of :data:`griffin.ops.matvec.isa.ROWS` (the rows past B are computed, not written out),
     ``steps`` (B,), out (B, N). A block of WEIGHT_ROWS weight rows against ROWS input rows at a time
     (:func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`); the weight rows stay in the L1 cache for the next input
@@ -325,36 +327,35 @@ def _rows_int8_kernel(high, low, steps, weights, tiles, sums, scale, bias, ahead
     n = WEIGHT_ROWS * ROWS
     passes = -(-B // ROWS)
     blocks_ahead = max(1, ahead_bytes // (WEIGHT_ROWS * K))
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        w = weights[j]
-        acc = np.empty(n, np.int64)
-        total = np.empty(n, np.float32)
-        for i in range(0, rows, WEIGHT_ROWS):
-            ahead = min(r0 + i + blocks_ahead * WEIGHT_ROWS, w.shape[0]) * K  # (the next tile's rows too)
-            share = -(-min(WEIGHT_ROWS * K, w.shape[0] * K - ahead) // (64 * passes)) * 64 if ahead_bytes else 0
-            for m0 in range(0, B, ROWS):
-                for q in range(ahead + m0 // ROWS * share, ahead + (m0 // ROWS + 1) * share, 64):
-                    prefetch(w, q)
-                total[:] = 0.0
-                for g in range(G):
-                    k0 = g * group
-                    acc[:] = 0
-                    for d in range(0, gv, DOT_CHUNK):
-                        block = dot_rows_uint16_int8(high, low, m0, w, r0 + i, r0 + rows - 1, k0 + d,
-                                                     min(DOT_CHUNK, gv - d))
-                        for q in range(n):
-                            acc[q] += block[q]
+    j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+    w = weights[j]
+    acc = np.empty(n, np.int64)
+    total = np.empty(n, np.float32)
+    for i in range(0, rows, WEIGHT_ROWS):
+        ahead = min(r0 + i + blocks_ahead * WEIGHT_ROWS, w.shape[0]) * K  # (the next tile's rows too)
+        share = -(-min(WEIGHT_ROWS * K, w.shape[0] * K - ahead) // (64 * passes)) * 64 if ahead_bytes else 0
+        for m0 in range(0, B, ROWS):
+            for q in range(ahead + m0 // ROWS * share, ahead + (m0 // ROWS + 1) * share, 64):
+                prefetch(w, q)
+            total[:] = 0.0
+            for g in range(G):
+                k0 = g * group
+                acc[:] = 0
+                for d in range(0, gv, DOT_CHUNK):
+                    block = dot_rows_uint16_int8(high, low, m0, w, r0 + i, r0 + rows - 1, k0 + d,
+                                                 min(DOT_CHUNK, gv - d))
                     for q in range(n):
-                        m, e = m0 + q % ROWS, min(i + q // ROWS, rows - 1)
-                        for k in range(k0 + gv, k0 + group):
-                            x_k = np.int64(high[m, k]) * 256 + np.int64(low[m, k]) - OFFSET
-                            acc[q] += x_k * np.int64(w[r0 + e, k])
-                        total[q] += np.float32(acc[q] - np.int64(sums[c0 + e, g]) * OFFSET) * scale[c0 + e, g]
+                        acc[q] += block[q]
                 for q in range(n):
-                    m, e = m0 + q % ROWS, i + q // ROWS
-                    if m < B and e < rows:
-                        out[m, c0 + e] = total[q] * steps[m] + bias[c0 + e]
+                    m, e = m0 + q % ROWS, min(i + q // ROWS, rows - 1)
+                    for k in range(k0 + gv, k0 + group):
+                        x_k = np.int64(high[m, k]) * 256 + np.int64(low[m, k]) - OFFSET
+                        acc[q] += x_k * np.int64(w[r0 + e, k])
+                    total[q] += np.float32(acc[q] - np.int64(sums[c0 + e, g]) * OFFSET) * scale[c0 + e, g]
+            for q in range(n):
+                m, e = m0 + q % ROWS, i + q // ROWS
+                if m < B and e < rows:
+                    out[m, c0 + e] = total[q] * steps[m] + bias[c0 + e]
 
 
 TILE_INPUTS = TILE_COLUMNS // 2  # input rows per tile product (their high and low bytes)
@@ -391,7 +392,7 @@ def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
 @numba.njit(fastmath=True, cache=True)
 def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """out[:, c0 : c0 + rows] for the 16 weight rows of w from ``first`` (the tile's ``rows``, then padding), as
-    :func:`_rows_int8_tiles_kernel` describes."""
+    :func:`_tile_unit_task` describes."""
     B = out.shape[0]
     K = high.shape[1]
     G = scale.shape[1]
@@ -423,23 +424,22 @@ def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, 
                 out[b, c0 + e] = total[e, m] * steps[b] + bias[c0 + e]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _rows_int8_tiles_kernel(high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """:func:`_rows_int8_kernel` through the tile unit (:func:`griffin.ops.matvec.isa.tile_dot_int8`): each tile of
-    16 weight rows against each block of 8 input rows (``packed``, :func:`_pack_tile_columns`), the same exact int64
+@numba.njit(fastmath=True, cache=True)
+def _tile_unit_task(t, high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
+    """:func:`_rows_int8_task` through the tile unit (:func:`griffin.ops.matvec.isa.tile_dot_int8`): the tile's 16
+    weight rows against each block of 8 input rows (``packed``, :func:`_pack_tile_columns`), the same exact int64
     sums and the same float32 operations after them, so the same bits (:func:`_tile_rows`). A tile of fewer rows (a
     matrix's last) is copied into 16 zero-padded rows first, so that no tile load reads past a matrix. (No prefetch:
     the tile loads keep 16 streams of weights in flight, and prefetching ahead of them was not faster,
     docs/performance.md.)"""
     K = high.shape[1]
-    for t in prange(tiles.shape[0]):
-        j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-        if rows < TILE_ROWS:  # (a new array, not a reassigned variable: numba's prange kept the old one)
-            padded = np.zeros((TILE_ROWS, K), np.int8)
-            padded[:rows] = weights[j][r0 : r0 + rows]
-            _tile_rows(high, low, packed, steps, padded, 0, c0, rows, sums, scale, bias, config, out)
-        else:
-            _tile_rows(high, low, packed, steps, weights[j], r0, c0, rows, sums, scale, bias, config, out)
+    j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
+    if rows < TILE_ROWS:  # (a new array, not a reassigned variable: numba's prange kept the old one)
+        padded = np.zeros((TILE_ROWS, K), np.int8)
+        padded[:rows] = weights[j][r0 : r0 + rows]
+        _tile_rows(high, low, packed, steps, padded, np.int64(0), c0, rows, sums, scale, bias, config, out)
+    else:
+        _tile_rows(high, low, packed, steps, weights[j], r0, c0, rows, sums, scale, bias, config, out)
 
 
 _TILE_CONFIG = tile_config()
@@ -504,7 +504,7 @@ def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
 
 def vector_sums(weight: Tensor, groups: int) -> Tensor:
     """(N, groups) int32: for an int8 (N, K) matrix, the sum of each group's first group - group mod VECTOR weights
-    (what :func:`_one_row_int8_kernel` multiplies through ``vpdpbusd``)."""
+    (what :func:`_one_row_int8_task` multiplies through ``vpdpbusd``)."""
     n, k = weight.shape
     group = k // groups
     return weight.detach().reshape(n, groups, group)[..., : group - group % VECTOR].sum(-1, dtype=torch.int32)
@@ -634,13 +634,13 @@ class MatvecWeights:
                    bias.contiguous().numpy(), sums.numpy(), K, int(scale.shape[0]), len(weights))
 
     def kernel_args(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(arrays, tiles, scale, bias, sums): the matrices as :func:`matvec_row` reads them."""
+        """(arrays, tiles, scale, bias, sums): the matrices as :func:`rows_task` reads them."""
         return self.arrays, self.tiles, self.scale, self.bias, self.sums
 
 
 def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None = None) -> Tensor:
     """x (..., K) times the prepared matrices (transposed), plus biases, concatenated: (..., N) in ``out_dtype``
-    (default x's), through :func:`matvec_rows`."""
+    (default x's): :func:`prepare_rows`, then :func:`rows_task` of each tile, in one parallel region."""
     if x.shape[-1] != prepared.in_features:
         raise ValueError(f"matvec: input width {x.shape[-1]} != the weights' {prepared.in_features}")
     flat = x.reshape(-1, x.shape[-1])
@@ -659,7 +659,7 @@ def _widen_view(x: Tensor) -> np.ndarray:
 
 
 def kernel_settings() -> tuple[bool, bool, int, bool]:
-    """(bfloat16, int8, ahead_bytes, tiles) for :func:`matvec_row` and :func:`matvec_rows`, read now: whether to take
+    """(bfloat16, int8, ahead_bytes, tiles) for :func:`prepare_rows` and :func:`rows_task`, read now: whether to take
     the host's bfloat16 and int8 instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`), :data:`PREFETCH_BYTES`,
     and whether to take the tile unit (:data:`griffin.ops.matvec.isa.FAST_TILES` holds int8). The kernels are
     compiled with every path the host has (:data:`griffin.ops.matvec.isa.DOT_INSTRUCTIONS`); these flags pick one at
@@ -667,148 +667,149 @@ def kernel_settings() -> tuple[bool, bool, int, bool]:
     return "bfloat16" in FAST_DOTS, "int8" in FAST_DOTS, int(PREFETCH_BYTES), "int8" in FAST_TILES
 
 
-def matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    """out (N,) float32 = x (K,) (float32, or bfloat16 as its uint16 bits) times matrices prepared as
-    :class:`MatvecWeights` holds them (:meth:`MatvecWeights.kernel_args`), one parallel region over all of them.
-    ``settings`` is :func:`kernel_settings`: where it says so (and the host has the instruction), bfloat16 x and weights
-    through ``vdpbf16ps`` (:func:`_one_row_bf16_kernel`); int8 weights and a finite x through ``vpdpbusd``, x rounded to
-    int16 steps (:func:`_one_row_int8_kernel`, :func:`griffin.ops.matvec.reference.quantize_row_int16`); anything else
-    widened to float32 (:func:`_one_row_kernel`); each weight row prefetches the weights ahead_bytes on. For numba code
-    (the fused decode step of a residual block); from Python, :func:`matvec_cpu`."""
-    raise NotImplementedError  # numba only (the overload below)
-
-
-def _as_float32(x):  # type: ignore[no-untyped-def]
-    """x (K,) as float32: a widened copy of bfloat16 bits, float32 as it is (numba only)."""
-    raise NotImplementedError
-
-
-@overload(_as_float32, inline="always")
-def _as_float32_impl(x):  # type: ignore[no-untyped-def]
-    if x.dtype == types.float32:
-        return lambda x: x
-
-    def widened(x):  # type: ignore[no-untyped-def]
-        out = np.empty(x.shape[0], np.float32)
-        for k in range(x.shape[0]):
-            out[k] = widen(x[k])
-        return out
-
-    return widened
-
-
-@overload(matvec_row)
-def _matvec_row(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
-    if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
-        def bf16(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            fast, _, ahead, _ = settings
-            if fast:
-                _one_row_bf16_kernel(x, arrays, tiles, bias, ahead, out)
-            else:
-                _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, ahead, out)
-
-        return bf16
-    if stored == types.int8 and "int8" in DOT_INSTRUCTIONS:
-        def int8(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            _, fast, ahead, _ = settings
-            if fast:
-                high, low = np.empty(x.shape[0], np.uint8), np.empty(x.shape[0], np.uint8)
-                step = _quantize_row_int16(x, high, low)
-                if step:  # else an inf or NaN entry, which int16 steps cannot hold
-                    _one_row_int8_kernel(high, low, step, arrays, tiles, sums, scale, bias, ahead, out)
-                    return
-            _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, ahead, out)
-
-        return int8
-
-    def widened(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        _one_row_kernel(_as_float32(x), arrays, tiles, scale, bias, settings[2], out)
-
-    return widened
-
-
-def matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    """out (B, N) float32 = x (B, K) (float32, or bfloat16 as its uint16 bits) times matrices as :func:`matvec_row`
-    takes them. One row: :func:`matvec_row`. Several rows of int8 weights, where ``settings`` (see
-    :func:`kernel_settings`) says int8 and the host has ``vpdpbusd``: each row rounded to its own int16 steps, then
-    through the tile unit where ``settings`` says tiles (:func:`_rows_int8_tiles_kernel`) or ``vpdpbusd``
-    (:func:`_rows_int8_kernel`, prefetching ahead_bytes); anything else (and rows with an infinite or NaN entry, which
-    int16 steps cannot hold) widened to float32 (:func:`_matvec_kernel`). For numba code (the fused decode step of a
-    residual block); from Python, :func:`matvec_cpu`."""
-    raise NotImplementedError  # numba only (the overload below)
-
-
-def int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    """out (B, N) for rows already rounded to int16 steps (:func:`_quantize_rows_int16`; high and low padded to a
-    multiple of :data:`griffin.ops.matvec.isa.ROWS` rows) and int8 weights: through the tile unit where ``settings``
-    says tiles, else ``vpdpbusd`` (numba only)."""
-    raise NotImplementedError
-
-
-@overload(int8_rows)
-def _int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    def vnni(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[2], out)
-
-    if not TILE_INSTRUCTIONS:  # (LLVM cannot compile the tile kernel for this host)
-        return vnni
-
-    def tiled(high, low, steps, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        if not settings[3]:
-            _rows_int8_kernel(high, low, steps, arrays, tiles, sums, scale, bias, settings[2], out)
-            return
-        B, K = steps.shape[0], high.shape[1]
-        packed = np.zeros((-(-B // TILE_INPUTS), K // 4 + 1, TILE_BYTES), np.uint8)
-        _pack_tile_columns(high[:B], low[:B], packed)
-        _rows_int8_tiles_kernel(high, low, packed, steps, arrays, tiles, sums, scale, bias, _TILE_CONFIG, out)
-
-    return tiled
+# The paths of a call, chosen once its rows are known (:func:`prepare_rows`) and read by every task (:func:`rows_task`).
+WIDENED, BF16_ROW, INT8_ROW, INT8_ROWS, INT8_TILES = range(5)
+# numba's parallel options for a kernel whose only parallel loops are its ``prange`` ones: no other transformation
+# (an ``np.zeros`` or a slice assignment made into a parallel region of its own would cost a wake-up of the threads).
+PRANGE_ONLY = {**CALLS_PARALLEL, "prange": True}
 
 
 @numba.njit(inline="always")
-def _widened_rows(x, arrays, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
-    """:func:`_matvec_kernel` of the rows x (B, K) widened to float32."""
-    rows = np.empty(x.shape, np.float32)
+def rows_buffers(x):  # type: ignore[no-untyped-def]
+    """What :func:`prepare_rows` writes for rows x (B, K), allocated before a parallel region (its tasks share them):
+    (path (1,) int64, x widened to float32 (B, K), high and low bytes of its int16 steps (B', K) uint8 zeros with B'
+    B rounded up to :data:`griffin.ops.matvec.isa.ROWS`, steps (B,) float32, the tile unit's packed input (zeros))."""
+    B, K = x.shape
+    P = -(-B // TILE_INPUTS) if B > 1 else 0
+    padded_rows = -(-B // ROWS) * ROWS
+    return (np.zeros(1, np.int64), np.empty((B, K), np.float32), np.zeros((padded_rows, K), np.uint8),
+            np.zeros((padded_rows, K), np.uint8), np.empty(B, np.float32),
+            np.zeros((P, K // 4 + 1, TILE_BYTES), np.uint8))
+
+
+def prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+    """Choose the path for rows x (B, K) (float32, or bfloat16 as its uint16 bits) times matrices prepared as
+    :class:`MatvecWeights` holds them, and prepare x for it into ``buffers`` (:func:`rows_buffers`). ``settings`` is
+    :func:`kernel_settings`: where it says so and the host has the instruction, one bfloat16 row times bfloat16
+    weights through ``vdpbf16ps`` (:func:`_one_row_bf16_task`); int8 weights times rows rounded to int16 steps
+    (:func:`griffin.ops.matvec.reference.quantize_row_int16`) through ``vpdpbusd`` (one row:
+    :func:`_one_row_int8_task`; several: :func:`_rows_int8_task`) or, several rows where ``settings`` says tiles, the
+    tile unit (:func:`_tile_unit_task`); anything else (and rows with an infinite or NaN entry, which int16 steps
+    cannot hold) widened to float32 (one row: :func:`_one_row_task`; several: :func:`_widened_task`). Numba only."""
+    raise NotImplementedError
+
+
+@numba.njit(inline="always")
+def _widen_rows(x, buffers):  # type: ignore[no-untyped-def]
+    rows = buffers[1]
     for b in range(x.shape[0]):
         for k in range(x.shape[1]):
             rows[b, k] = widen(x[b, k])
-    _matvec_kernel(rows, arrays, tiles, scale, bias, out)
+    buffers[0][0] = WIDENED
 
 
-@overload(matvec_rows)
-def _matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+@overload(prepare_rows)
+def _prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
-    if stored != types.int8 or "int8" not in DOT_INSTRUCTIONS:
-        def other(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-            if x.shape[0] == 1:
-                matvec_row(x[0], arrays, tiles, scale, bias, sums, settings, out[0])
+    if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
+        def bf16(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+            if x.shape[0] == 1 and settings[0]:
+                buffers[0][0] = BF16_ROW
             else:
-                _widened_rows(x, arrays, tiles, scale, bias, out)
+                _widen_rows(x, buffers)
 
-        return other
+        return bf16
+    if stored == types.int8 and "int8" in DOT_INSTRUCTIONS:
+        tile_unit = bool(TILE_INSTRUCTIONS)  # (LLVM cannot compile the tile kernel for a host without it)
 
-    def int8(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-        B, K = x.shape
-        if B == 1:
-            matvec_row(x[0], arrays, tiles, scale, bias, sums, settings, out[0])
-            return
-        if settings[1]:
-            padded_rows = -(-B // ROWS) * ROWS
-            high, low = np.zeros((padded_rows, K), np.uint8), np.zeros((padded_rows, K), np.uint8)
-            steps = np.empty(B, np.float32)
-            if _quantize_rows_int16(x, high, low, steps):
-                int8_rows(high, low, steps, arrays, tiles, scale, bias, sums, settings, out)
-                return
-        _widened_rows(x, arrays, tiles, scale, bias, out)
+        def int8(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+            path, _, high, low, steps, packed = buffers
+            B = x.shape[0]
+            if settings[1]:
+                if B == 1:
+                    steps[0] = _quantize_row_int16(x[0], high[0], low[0])
+                    if steps[0]:  # else an inf or NaN entry, which int16 steps cannot hold
+                        path[0] = INT8_ROW
+                        return
+                elif _quantize_rows_int16(x, high, low, steps):
+                    if tile_unit and settings[3]:
+                        _pack_tile_columns(high[:B], low[:B], packed)
+                        path[0] = INT8_TILES
+                    else:
+                        path[0] = INT8_ROWS
+                    return
+            _widen_rows(x, buffers)
 
-    return int8
+        return int8
+
+    def widened(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+        _widen_rows(x, buffers)
+
+    return widened
 
 
-@numba.njit(parallel=CALLS_PARALLEL, cache=True)
+def rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    """Tile t of out (B, N) float32 = x (B, K) times the matrices (:class:`MatvecWeights`'s
+    :meth:`~MatvecWeights.kernel_args`), on the path :func:`prepare_rows` chose (``buffers``). Numba only."""
+    raise NotImplementedError
+
+
+@numba.njit(inline="always")
+def _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out):  # type: ignore[no-untyped-def]
+    rows = buffers[1]
+    if rows.shape[0] == 1:
+        _one_row_task(t, rows[0], arrays, tiles, scale, bias, settings[2], out[0])
+    else:
+        _widened_task(t, rows, arrays, tiles, scale, bias, out)
+
+
+@numba.njit(inline="always")
+def _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    path, _, high, low, steps, _ = buffers
+    if path[0] == INT8_ROW:
+        _one_row_int8_task(t, high[0], low[0], steps[0], arrays, tiles, sums, scale, bias, settings[2], out[0])
+    elif path[0] == INT8_ROWS:
+        _rows_int8_task(t, high, low, steps, arrays, tiles, sums, scale, bias, settings[2], out)
+    else:
+        _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out)
+
+
+@overload(rows_task)
+def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+    stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
+    if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
+        def bf16(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+            if buffers[0][0] == BF16_ROW:
+                _one_row_bf16_task(t, x[0], arrays, tiles, bias, settings[2], out[0])
+            else:
+                _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out)
+
+        return bf16
+    if stored == types.int8 and "int8" in DOT_INSTRUCTIONS:
+        if not TILE_INSTRUCTIONS:  # (LLVM cannot compile the tile kernel for a host without them)
+            return lambda t, x, buffers, arrays, tiles, scale, bias, sums, settings, out: _int8_rows_task(
+                t, buffers, arrays, tiles, scale, bias, sums, settings, out)
+
+        def tiled(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+            path, _, high, low, steps, packed = buffers
+            if path[0] == INT8_TILES:
+                _tile_unit_task(t, high, low, packed, steps, arrays, tiles, sums, scale, bias, _TILE_CONFIG, out)
+            else:
+                _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out)
+
+        return tiled
+    return lambda t, x, buffers, arrays, tiles, scale, bias, sums, settings, out: _widened_rows_task(
+        t, buffers, arrays, tiles, scale, bias, settings, out)
+
+
+@numba.njit(parallel=PRANGE_ONLY, fastmath=True, cache=True)
 def _matvec_rows_kernel(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
-    """:func:`matvec_rows`, called from Python."""
-    matvec_rows(x, arrays, tiles, scale, bias, sums, settings, out)
+    """out (B, N) float32 = x (B, K) times the matrices: :func:`prepare_rows`, then the tasks of all tiles
+    (:func:`rows_task`) in one parallel region."""
+    buffers = rows_buffers(x)
+    prepare_rows(x, arrays, settings, buffers)
+    for t in prange(tiles.shape[0]):  # (a prange index is unsigned: int64, as a block's tasks, for one compilation)
+        rows_task(np.int64(t), x, buffers, arrays, tiles, scale, bias, sums, settings, out)
 
 
 # An opaque operator for ``torch.compile``: a compiled decode step fuses the elementwise work around it and calls the
