@@ -541,6 +541,30 @@ def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):  # type: igno
     wait(c, phase, tiles)
 
 
+@numba.njit(inline="always", fastmath=True, error_model="numpy")
+def _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, out):  # type: ignore[no-untyped-def]
+    """Phases 0-1 of a temporal half: the pre-norm of rows x (and their preparation for the matmul), then out = the
+    normed rows times ``mixer_in``."""
+    if single(c, 0):
+        for b in range(x.shape[0]):
+            _normalise(x[b], norms[0], norms[1], normed[b])
+        prepare_rows(normed, mixer_in[0], settings, in_buffers)
+        finish(c, 0)
+    wait(c, 0, 1)
+    _matmul_phase(c, 1, worker, normed, in_buffers, mixer_in, settings, out)
+
+
+@numba.njit(inline="always")
+def _projection_out(c, phase, worker, hidden, mixer_out, settings, out_buffers, mixed):  # type: ignore[no-untyped-def]
+    """Phases ``phase`` and ``phase`` + 1 of a temporal half: the preparation of ``hidden`` for the matmul, then
+    mixed = hidden times ``mixer_out``."""
+    if single(c, phase):
+        prepare_rows(hidden, mixer_out[0], settings, out_buffers)
+        finish(c, phase)
+    wait(c, phase, 1)
+    _matmul_phase(c, phase + 1, worker, hidden, out_buffers, mixer_out, settings, mixed)
+
+
 MLP_PHASES = 5  # phases of :func:`_mlp_tasks`
 
 
@@ -591,13 +615,7 @@ def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, re
     """A thread's share of the temporal half of a residual block with a recurrent block (Figure 2a, c), phases 0-4:
     the pre-norm, the input projections, a task per gate block (:func:`_recurrent_head`), the output projection
     into ``mixed`` (the temporal block's output, float32). The buffers between are :func:`_mixer_buffers`'."""
-    if single(c, 0):
-        for b in range(x.shape[0]):
-            _normalise(x[b], norms[0], norms[1], normed[b])
-        prepare_rows(normed, mixer_in[0], settings, in_buffers)
-        finish(c, 0)
-    wait(c, 0, 1)
-    _matmul_phase(c, 1, worker, normed, in_buffers, mixer_in, settings, y_u)
+    _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, y_u)
     blocks = rec[2].shape[0]
     blk = claim(c, 2, worker, blocks)
     while blk < blocks:
@@ -605,11 +623,7 @@ def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, re
         finish(c, 2)
         blk = claim(c, 2, worker, blocks)
     wait(c, 2, blocks)
-    if single(c, 3):
-        prepare_rows(hidden, mixer_out[0], settings, out_buffers)
-        finish(c, 3)
-    wait(c, 3, 1)
-    _matmul_phase(c, 4, worker, hidden, out_buffers, mixer_out, settings, mixed)
+    _projection_out(c, 3, worker, hidden, mixer_out, settings, out_buffers, mixed)
 
 
 @numba.njit(inline="always")
@@ -654,13 +668,7 @@ def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, 
     tasks (:func:`_attention_task`), the output projection into ``mixed``. The buffers between are
     :func:`_mixer_buffers`'."""
     cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task = cache
-    if single(c, 0):
-        for b in range(x.shape[0]):
-            _normalise(x[b], norms[0], norms[1], normed[b])
-        prepare_rows(normed, mixer_in[0], settings, in_buffers)
-        finish(c, 0)
-    wait(c, 0, 1)
-    _matmul_phase(c, 1, worker, normed, in_buffers, mixer_in, settings, qkv)
+    _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, qkv)
     if single(c, 2):
         _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, hidden)
         finish(c, 2)
@@ -673,11 +681,7 @@ def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, 
         finish(c, 3)
         task = claim(c, 3, worker, tasks)
     wait(c, 3, tasks)
-    if single(c, 4):
-        prepare_rows(hidden, mixer_out[0], settings, out_buffers)
-        finish(c, 4)
-    wait(c, 4, 1)
-    _matmul_phase(c, 5, worker, hidden, out_buffers, mixer_out, settings, mixed)
+    _projection_out(c, 4, worker, hidden, mixer_out, settings, out_buffers, mixed)
 
 
 @numba.njit(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy", cache=True)
