@@ -5,7 +5,8 @@ archive`` of ``--base``; the working tree for ``--head``). The controller asks t
 time, alternating between them round after round, so that load from other processes hits both alike; the median of
 the rounds is kept. The models are those of ``benchmarks/model_cpu.py`` (training: HF RecurrentGemma-style Griffin,
 batch 4 × 1024 tokens) and of ``benchmarks/inference.py``'s CPU scale (decode: Griffin D = 256, 6 blocks, batch 16,
-after a 1024-token prompt), built from the same seed in both versions.
+after a 1024-token prompt), built from the same seed in both versions; the ``decode_1p3b_blocks_*`` measurements decode
+with 6 blocks of ``griffin-1.3b`` (bfloat16 or its int8 quantisation, 1 or 8 rows) through the ``Decoder``'s CPU path.
 
     python benchmarks/compare_commits.py --base ebf75ba            # base commit vs the working tree
     python benchmarks/compare_commits.py --base HEAD~3 --rounds 7 --out benchmarks/results/compare_commits.json
