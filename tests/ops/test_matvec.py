@@ -335,9 +335,9 @@ for dtype in sys.argv[1:]:
 
 
 def test_one_row_kernels_load_from_the_cache_in_every_specialisation(tmp_path):
-    """The cached one-row entry (a function calling parallel kernels) run from numba's cache with two
-    specialisations, bfloat16 and float32 rows, in later processes: before ``CALLS_PARALLEL`` the second one crashed
-    (numba issue 8578)."""
+    """The cached entry (``_matvec_rows_kernel``) run from numba's cache with two specialisations, bfloat16 and
+    float32 rows, in later processes. When it was a function calling parallel kernels without being one, compiled the
+    plain way, the second one crashed (numba issue 8578)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     for dtypes in (["bfloat16"], ["float32"], ["float32", "bfloat16"]):
         done = subprocess.run([sys.executable, "-c", ONE_ROW, *dtypes], env=env, capture_output=True, text=True,

@@ -267,7 +267,7 @@ def _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments
 
 
 @numba.njit(inline="always")
-def _attention_tasks(k_cache, out, per_task):  # type: ignore[no-untyped-def]
+def _attention_task_count(k_cache, out, per_task):  # type: ignore[no-untyped-def]
     """How many tasks :func:`_attention_task` splits the queries into."""
     Hk, d = k_cache.shape[2], k_cache.shape[3]
     return k_cache.shape[0] * Hk * -(-(out.shape[1] // d // Hk) // per_task)
@@ -364,7 +364,7 @@ def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segment
     key/value head and ``per_task`` of the query heads that share it, a task each."""
     _attention_check(k_cache, count, local)
     _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, out)
-    for task in prange(_attention_tasks(k_cache, out, per_task)):
+    for task in prange(_attention_task_count(k_cache, out, per_task)):
         _attention_task(np.int64(task), qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots,
                         scale, per_task, out)
 
@@ -673,7 +673,7 @@ def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, 
         _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, hidden)
         finish(c, 2)
     wait(c, 2, 1)
-    tasks = _attention_tasks(k_cache, hidden, per_task)
+    tasks = _attention_task_count(k_cache, hidden, per_task)
     task = claim(c, 3, worker, tasks)
     while task < tasks:
         _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale,

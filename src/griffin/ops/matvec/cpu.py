@@ -29,7 +29,6 @@ output dtype.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import prange, types
-from numba.core.errors import NumbaPerformanceWarning, TypingError
+from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
@@ -68,15 +67,6 @@ TILE = TILE_ROWS  # output rows per task (16: one AMX tile of weight rows, which
 # block is read again from L1 for the next input rows, nothing else draws the next rows from memory; at one row the
 # hardware prefetcher does not cross the 4 KiB page a row's stream enters (docs/performance.md, "CPU decode at 1–3B").
 PREFETCH_BYTES = 1 << 16
-# numba's options for a cached function that calls parallel kernels without being one: the parallel pipeline with
-# none of its transformations (nothing of its own runs in parallel). Compiled the plain way, such a function crashed
-# when loaded from the cache once it had a second specialisation (numba issue 8578; found with a float32 and a
-# bfloat16 row through the one-row entry, tests/ops/test_matvec.py).
-CALLS_PARALLEL = dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
-                      stencil=False, fusion=False, prange=False)
-# (numba then warns that such a function has nothing to run in parallel, which is the point: not for griffin's.)
-warnings.filterwarnings("ignore", message=r"(?s).*'parallel=True' was specified but no transformation.*griffin.ops",
-                        category=NumbaPerformanceWarning)
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
@@ -671,7 +661,8 @@ def kernel_settings() -> tuple[bool, bool, int, bool]:
 WIDENED, BF16_ROW, INT8_ROW, INT8_ROWS, INT8_TILES = range(5)
 # numba's parallel options for a kernel whose only parallel loops are its ``prange`` ones: no other transformation
 # (an ``np.zeros`` or a slice assignment made into a parallel region of its own would cost a wake-up of the threads).
-PRANGE_ONLY = {**CALLS_PARALLEL, "prange": True}
+PRANGE_ONLY = dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
+                   stencil=False, fusion=False, prange=True)
 
 
 @numba.njit(inline="always")
