@@ -30,17 +30,17 @@ def phases(x, workers, runs, order):
             started[0] += 1
             runs[t] += 1
             out0[t] = 2 * x[t]
-            finish(c, 0)
+            finish(c, 0, worker)
             t = claim(c, 0, worker, n)
         wait(c, 0, n)
         if single(c, 1):
             total[0] = out0.sum()
-            finish(c, 1)
+            finish(c, 1, worker)
         wait(c, 1, 1)
         t = claim(c, 2, worker, n)
         while t < n:
             out2[t] = out0[t] + total[0]
-            finish(c, 2)
+            finish(c, 2, worker)
             t = claim(c, 2, worker, n)
         wait(c, 2, n)
     return out2

@@ -536,7 +536,7 @@ def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):  # type: igno
     t = claim(c, phase, worker, tiles)
     while t < tiles:
         rows_task(t, x, buffers, m[0], m[1], m[2], m[3], m[4], settings, out)
-        finish(c, phase)
+        finish(c, phase, worker)
         t = claim(c, phase, worker, tiles)
     wait(c, phase, tiles)
 
@@ -549,7 +549,7 @@ def _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, 
         for b in range(x.shape[0]):
             _normalise(x[b], norms[0], norms[1], normed[b])
         prepare_rows(normed, mixer_in[0], settings, in_buffers)
-        finish(c, 0)
+        finish(c, 0, worker)
     wait(c, 0, 1)
     _matmul_phase(c, 1, worker, normed, in_buffers, mixer_in, settings, out)
 
@@ -560,7 +560,7 @@ def _projection_out(c, phase, worker, hidden, mixer_out, settings, out_buffers, 
     mixed = hidden times ``mixer_out``."""
     if single(c, phase):
         prepare_rows(hidden, mixer_out[0], settings, out_buffers)
-        finish(c, phase)
+        finish(c, phase, worker)
     wait(c, phase, 1)
     _matmul_phase(c, phase + 1, worker, hidden, out_buffers, mixer_out, settings, mixed)
 
@@ -583,20 +583,20 @@ def _mlp_tasks(c, first, worker, x, mixed, scale, eps, up, down, exact, settings
                 residual[b, d] = narrow(widen(x[b, d]) + _rounded(mixed[b, d], like), like)
             _normalise(residual[b], scale, eps, normed[b])
         prepare_rows(normed, up[0], settings, up_in)
-        finish(c, first)
+        finish(c, first, worker)
     wait(c, first, 1)
     _matmul_phase(c, first + 1, worker, normed, up_in, up, settings, gate_up)
     if single(c, first + 2):
         _gelu_product_kernel(gate_up, exact, hidden)
         prepare_rows(hidden, down[0], settings, down_in)
-        finish(c, first + 2)
+        finish(c, first + 2, worker)
     wait(c, first + 2, 1)
     _matmul_phase(c, first + 3, worker, hidden, down_in, down, settings, down_out)
     if single(c, first + 4):
         for b in range(B):
             for d in range(D):
                 out[b, d] = narrow(widen(residual[b, d]) + _rounded(down_out[b, d], like), like)
-        finish(c, first + 4)
+        finish(c, first + 4, worker)
 
 
 @numba.njit
@@ -620,7 +620,7 @@ def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, re
     blk = claim(c, 2, worker, blocks)
     while blk < blocks:
         _recurrent_head(blk, y_u, conv_state, rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], h, exact, hidden)
-        finish(c, 2)
+        finish(c, 2, worker)
         blk = claim(c, 2, worker, blocks)
     wait(c, 2, blocks)
     _projection_out(c, 3, worker, hidden, mixer_out, settings, out_buffers, mixed)
@@ -671,14 +671,14 @@ def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, 
     _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, qkv)
     if single(c, 2):
         _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, hidden)
-        finish(c, 2)
+        finish(c, 2, worker)
     wait(c, 2, 1)
     tasks = _attention_task_count(k_cache, hidden, per_task)
     task = claim(c, 3, worker, tasks)
     while task < tasks:
         _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale,
                         per_task, hidden)
-        finish(c, 3)
+        finish(c, 3, worker)
         task = claim(c, 3, worker, tasks)
     wait(c, 3, tasks)
     _projection_out(c, 4, worker, hidden, mixer_out, settings, out_buffers, mixed)

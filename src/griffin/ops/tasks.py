@@ -15,8 +15,9 @@ finds them done): no deadlock, whatever the schedule. A waiting thread spins on 
 yields its core (``sched_yield``) after :data:`SPINS` turns, so that a host with other busy processes runs them.
 
 Counters (:func:`counters`) are an int64 array: per phase, the tasks claimed from each worker's share and the tasks
-done, zeros at the start, changed only through atomic instructions (sequentially consistent: a task's writes are
-visible to a thread that has seen it done).
+each worker has done, zeros at the start, changed only through atomic instructions (sequentially consistent: a task's
+writes are visible to a thread that has seen it done). Each worker counts what it has done on a cache line of its own,
+so that finishing a task does not take the line from the other cores; only a waiting thread reads them all.
 """
 
 from __future__ import annotations
@@ -105,15 +106,16 @@ LINE = 8  # int64 entries per counter: each on a cache line of its own (threads 
 @numba.njit(inline="always")
 def counters(phases, workers):  # type: ignore[no-untyped-def]
     """Counters for ``phases`` phases shared by ``workers`` workers (the region's ``prange`` indices)."""
-    c = np.zeros((1 + phases * (workers + 1)) * LINE, np.int64)
+    c = np.zeros((1 + phases * 2 * workers) * LINE, np.int64)
     c[0] = workers
     return c
 
 
 @numba.njit(inline="always")
 def _slot(counters, phase, r):  # type: ignore[no-untyped-def]
-    """Counter r of ``phase``: r < workers counts the tasks claimed from worker r's share, r = workers those done."""
-    return (1 + phase * (counters[0] + 1) + r) * LINE
+    """Counter r of ``phase``: r < workers counts the tasks claimed from worker r's share, workers + r those that
+    worker r has done."""
+    return (1 + phase * 2 * counters[0] + r) * LINE
 
 
 @numba.njit(inline="always")
@@ -132,17 +134,22 @@ def claim(counters, phase, worker, tasks):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def finish(counters, phase):  # type: ignore[no-untyped-def]
-    """Mark one task of ``phase`` done (after its writes)."""
-    _fetch_add(counters, _slot(counters, phase, counters[0]))
+def finish(counters, phase, worker):  # type: ignore[no-untyped-def]
+    """Mark one task of ``phase`` done by ``worker`` (after its writes)."""
+    _fetch_add(counters, _slot(counters, phase, counters[0] + worker))
 
 
 @numba.njit(inline="always")
 def wait(counters, phase, tasks):  # type: ignore[no-untyped-def]
     """Return once ``tasks`` tasks of ``phase`` are done: spin, yielding the core every :data:`SPINS` turns."""
-    done = _slot(counters, phase, counters[0])
+    workers = counters[0]
     spins = 0
-    while _load(counters, done) < tasks:
+    while True:
+        done = 0
+        for r in range(workers):
+            done += _load(counters, _slot(counters, phase, workers + r))
+        if done >= tasks:
+            return
         spins += 1
         if spins == SPINS:
             _sched_yield()
