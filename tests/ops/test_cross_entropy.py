@@ -60,9 +60,12 @@ def test_autocast_runs_the_matmuls_in_bfloat16(gen):
         want = loss_and_grads(cross_entropy_ref, h, weight, targets, 30.0)
     exact = loss_and_grads(cross_entropy_ref, h, weight, targets, 30.0)
     assert got[1].dtype == got[2].dtype == torch.float32
-    for a, b, c in zip(got, want, exact, strict=True):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
-        assert not torch.allclose(a, c, rtol=1e-6, atol=0)  # bf16 matmuls, not float32 ones
+    # bf16 matmuls, not float32 ones: seen in the gradients, whose many entries each move by bfloat16's rounding (the
+    # loss, one sum of rounding errors of either sign, can land within 1e-6 of float32's by chance: seed 1466949249)
+    for a, c in zip(got[1:], exact[1:], strict=True):
+        assert not torch.allclose(a, c, rtol=1e-6, atol=0)
 
 
 class LargestOutput(TorchDispatchMode):
