@@ -87,15 +87,20 @@ def worker() -> None:
                               attention_window=256, gate_blocks=4, embed_scale=True, logits_soft_cap=30.0,
                               conv1d_document_reset=False)
             model = CausalLM(cfg).eval()
-            prompts = torch.randint(0, 4096, (16, 1024), generator=torch.Generator().manual_seed(2))
-            with torch.no_grad():
-                logits, kv = prefill(model, prompts, max_length=1024 + 4096)
-            dec = Decoder(model, kv, compile=compile)
-            tokens = logits.argmax(-1)
-            for _ in range(3):  # warm-up (and compilation)
-                tokens = dec(tokens).argmax(-1)
-            cache[key] = [dec, tokens]
+            cache[key] = warm_decoder(model, (16, 1024), compile)
         return cache[key]
+
+    def warm_decoder(model: CausalLM, prompt_shape: tuple[int, int], compile: bool = False) -> list:
+        """[a Decoder after a prefill of random prompts (rows, tokens) and 3 warm-up steps (and compilation), the
+        next tokens]"""
+        prompts = torch.randint(0, 4096, prompt_shape, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            logits, kv = prefill(model, prompts, max_length=prompt_shape[1] + 4096)
+        dec = Decoder(model, kv, compile=compile)
+        tokens = logits.argmax(-1)
+        for _ in range(3):
+            tokens = dec(tokens).argmax(-1)
+        return [dec, tokens]
 
     def blocks_decoder(weights: str, batch: int):
         key = f"blocks{weights}{batch}"
@@ -106,14 +111,7 @@ def worker() -> None:
             model = CausalLM(ModelConfig.from_preset("griffin-1.3b", depth=6, vocab_size=4096)).eval()
             model = model.to(torch.bfloat16)
             model = quantize_int8(model) if weights == "int8" else model
-            prompts = torch.randint(0, 4096, (batch, 16), generator=torch.Generator().manual_seed(2))
-            with torch.no_grad():
-                logits, kv = prefill(model, prompts, max_length=16 + 4096)
-            dec = Decoder(model, kv)
-            tokens = logits.argmax(-1)
-            for _ in range(3):
-                tokens = dec(tokens).argmax(-1)
-            cache[key] = [dec, tokens]
+            cache[key] = warm_decoder(model, (batch, 16))
         return cache[key]
 
     def decode_steps(compile: bool, n: int = 24, entry: list | None = None) -> list[float]:
