@@ -197,6 +197,24 @@ MUTATIONS = [
         ("tests/ops/test_tasks.py::test_phases_run_each_task_once_and_end_with_any_thread_count",),
     ),
     Mutation(
+        "stack-check-after-write",
+        "the stack's step no longer checks every global attention cache for room before the first block runs (a full "
+        "cache stops the step after the blocks before it have written their caches)",
+        "src/griffin/ops/decode_step.py",
+        "    _check_attention_caches(attention)\n    n = order.shape[0]",
+        "    n = order.shape[0]",
+        ("tests/inference/test_step.py::test_stack_step_with_a_full_global_cache_writes_nothing",),
+    ),
+    Mutation(
+        "stack-stale-cache",
+        "the stack prepared on a cache is kept after one of the cache's tensors was replaced (the step reads and "
+        "writes the old tensor)",
+        "src/griffin/inference/step.py",
+        "len(tensors) != len(self._stack[1].tensors) or any(",
+        "len(tensors) != len(self._stack[1].tensors) and any(",
+        ("tests/inference/test_step.py::test_stack_step_follows_a_cache_whose_tensors_were_replaced",),
+    ),
+    Mutation(
         "tiles-low-byte",
         "the AMX kernel adds each input row's high-byte sums where its low-byte sums belong (int8 decode of several "
         "rows off by up to 1/128 of each row's scale, on hosts with AMX)",

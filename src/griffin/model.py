@@ -71,6 +71,16 @@ class LanguageModelLoss(nn.Module):
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class ResidualBlocks(nn.ModuleList):
+    """The residual blocks in order, each reading the one before's output (Figure 2a). A module of its own, so that a
+    decode copy can run them all at once by a module swap (:mod:`griffin.inference.step`)."""
+
+    def forward(self, x: Tensor, ctx: Context, cache: Cache | None = None) -> Tensor:
+        for i, block in enumerate(self):
+            x = block(x, ctx, None if cache is None else cache.blocks[i])
+        return x
+
+
 class CausalLM(nn.Module):
     """Embedding, N residual blocks in the family's pattern, final RMSNorm, output layer (tied to the embedding by
     default), optional logit soft-cap."""
@@ -79,7 +89,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.width)
-        self.blocks = nn.ModuleList(ResidualBlock(config, kind) for kind in config.block_types)
+        self.blocks = ResidualBlocks(ResidualBlock(config, kind) for kind in config.block_types)
         self.final_norm = RMSNorm(config.width, config.norm_eps)
         self.lm_head: nn.Module = (TiedOutput(self.embed) if config.tie_embeddings
                                    else nn.Linear(config.width, config.vocab_size, bias=False))
@@ -230,8 +240,7 @@ class CausalLM(nn.Module):
             self.check_cache(cache, B, T)
         ctx = self.context(input_ids, positions, cache)
         x = self.embed_tokens(input_ids)
-        for i, block in enumerate(self.blocks):
-            x = block(x, ctx, None if cache is None else cache.blocks[i])
+        x = self.blocks(x, ctx, cache)
         if cache is not None:
             if ctx.reset is not None:
                 cache.segment.add_(ctx.reset.sum(1))

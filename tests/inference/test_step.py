@@ -11,7 +11,7 @@ import griffin.inference.step as fused_step
 from griffin import Decoder, prefill
 from griffin.inference.generate import decode_model
 from griffin.inference.matvec import matvec_swapped
-from griffin.inference.step import FusedResidualBlock, fused_step_swapped
+from griffin.inference.step import FusedResidualBlock, FusedResidualBlocks, fused_step_swapped
 from griffin.model import ResidualBlock
 from griffin.quantize import quantize_int8
 from tests.inference.test_matvec import tiny
@@ -115,7 +115,9 @@ def test_one_call_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype
     model = quantize_int8(model) if int8 else model
 
     def copy_of():
-        return decode_model(model, 1) if batch == 1 else fused_step_swapped(matvec_swapped(model, int8pack=False))
+        copy = decode_model(model, 1) if batch == 1 else fused_step_swapped(matvec_swapped(model, int8pack=False))
+        copy.blocks.stackable = False  # (the whole stack in one call: test_stack_step_equals_the_block_by_block_step)
+        return copy
 
     prompts = torch.randint(0, 32, (batch, 9), generator=gen)
     tokens = list(torch.randint(0, 32, (6, batch), generator=gen))
@@ -193,3 +195,84 @@ def test_autograd_goes_through_the_block(gen):
     caches = [prefill(m, [[1, 2, 3]], max_length=8)[1] for m in (fused, unfused)]
     got, want = (m(torch.tensor([[4]]), cache=c) for m, c in zip((fused, unfused), caches, strict=True))
     assert got.requires_grad and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("batch", [1, 3])
+@torch.no_grad()
+def test_stack_step_equals_the_block_by_block_step(gen, family, dtype, batch, monkeypatch):
+    """Where every block makes one call, a step runs the whole stack in one call (griffin.ops.decode_step.stack_step:
+    the same block kernels in the same order, from a compiled loop): once per step, with logits and caches of 6 steps
+    bit for bit those of the blocks called one by one from Python (recurrent only, attention only with a global
+    cache, and both with a local ring that wraps)."""
+    int8 = dtype == "int8"
+    model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
+    model = quantize_int8(model) if int8 else model
+
+    def copy_of(stack):
+        copy = decode_model(model, 1) if batch == 1 else fused_step_swapped(matvec_swapped(model, int8pack=False))
+        assert isinstance(copy.blocks, FusedResidualBlocks) and copy.blocks.stackable
+        copy.blocks.stackable = stack
+        return copy
+
+    prompts = torch.randint(0, 32, (batch, 9), generator=gen)
+    tokens = list(torch.randint(0, 32, (6, batch), generator=gen))
+    want, want_cache = steps_of(copy_of(False), prompts, tokens)
+    calls = {"stack": 0}
+
+    def counted(*args, **kwargs):
+        calls["stack"] += 1
+        return stack_step(*args, **kwargs)
+
+    stack_step = fused_step.stack_step
+    monkeypatch.setattr(fused_step, "stack_step", counted)
+    for name in ("recurrent_block_step", "attention_block_step"):
+        monkeypatch.setattr(fused_step, name, None)  # a step that fell back to the blocks one by one would fail
+    got, got_cache = steps_of(copy_of(True), prompts, tokens)
+    assert calls["stack"] == len(tokens)
+    assert torch.equal(got, want)
+    for name, t in want_cache.tensors().items():
+        assert torch.equal(got_cache.tensors()[name], t), name
+
+
+@torch.no_grad()
+def test_stack_step_follows_a_cache_whose_tensors_were_replaced(gen):
+    """The stack views its cache's tensors, prepared once: a cache tensor replaced by another (equal) one is read and
+    updated from then on, not the old one."""
+    model = tiny("griffin", gen, torch.bfloat16)
+    prompts = torch.randint(0, 32, (1, 5), generator=gen)
+    tokens = list(torch.randint(0, 32, (4, 1), generator=gen))
+    runs = []
+    for stack in (True, False):
+        copy = decode_model(model, 1)
+        copy.blocks.stackable = stack
+        _, cache = prefill(copy, prompts, max_length=16)
+        decoder = Decoder(copy, cache)
+        logits = [decoder(t) for t in tokens[:2]]
+        cache.blocks[0].h = cache.blocks[0].h.clone()
+        cache.blocks[2].k = cache.blocks[2].k.clone()
+        logits += [decoder(t) for t in tokens[2:]]
+        runs.append((torch.stack(logits), cache))
+    (got, got_cache), (want, want_cache) = runs
+    assert torch.equal(got, want)
+    for name, t in want_cache.tensors().items():
+        assert torch.equal(got_cache.tensors()[name], t), name
+
+
+@torch.no_grad()
+def test_stack_step_with_a_full_global_cache_writes_nothing(gen):
+    """A global attention cache with no slot left stops the stack's step with a clear error before any block has
+    written its cache (not after the blocks before it)."""
+    model = tiny("mqa", gen, torch.bfloat16)
+    copy = decode_model(model, 1)
+    _, cache = prefill(copy, torch.randint(0, 32, (1, 5), generator=gen), max_length=8)
+    last = cache.blocks[-1]
+    last.count.fill_(last.k.shape[1])  # the last block's cache full
+    before = {name: t.clone() for name, t in cache.tensors().items()}
+    ctx = copy.context(torch.zeros(1, 1, dtype=torch.long), None, cache)
+    x = torch.randn(1, 1, model.config.width, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="full"):
+        copy.blocks(x, ctx, cache)
+    for name, t in cache.tensors().items():
+        assert torch.equal(t, before[name]), name

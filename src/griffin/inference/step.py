@@ -1,17 +1,19 @@
 """A decode step with its element-wise work fused on CPU (Section 5), applied from outside the model as a module swap.
 
-A decode step of a 1-3B model reads its weights once, through the matvec kernels or oneDNN (docs/performance.md,
-"CPU decode at 1–3B"); what the model computes around those matmuls, one token per row, took another 17-25 ms per
-1.3B step at batch 1 in some 150 eager operators per layer. :func:`fused_step_swapped` replaces each residual block of
-a decode copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which
-runs a step through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the
-two RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections:
-for a recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Where
-the block's four projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one
-call of those kernels and the matmuls, and one parallel region
-(:func:`griffin.ops.decode_step.recurrent_block_step`, :func:`~griffin.ops.decode_step.attention_block_step`).
-Anything else (a prompt, a document start or padding, a compiled step, gradients) goes through the block as it is, so
-the copy computes what the model computes, up to float32 rounding inside the kernels.
+A decode step of a 1-3B model reads its weights once, through the matvec kernels or oneDNN (docs/performance.md, "CPU
+decode at 1–3B"); what the model computes around those matmuls, one token per row, took another 17-25 ms per 1.3B step
+at batch 1 in some 150 eager operators per layer. :func:`fused_step_swapped` replaces each residual block of a decode
+copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which runs a step
+through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the two RMSNorms and
+the residual add, the MLP's GeLU product, and everything between the temporal block's projections: for a recurrent block
+in one parallel region, for an attention block RoPE, the cache write and the attention. Where the block's four
+projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one call of those kernels
+and the matmuls, and one parallel region (:func:`griffin.ops.decode_step.recurrent_block_step`,
+:func:`~griffin.ops.decode_step.attention_block_step`), and where every block is, the list of blocks
+(:class:`FusedResidualBlocks`) runs the whole stack in one call from Python
+(:func:`griffin.ops.decode_step.stack_step`). Anything else (a prompt, a document start or padding, a compiled step,
+gradients) goes through the block as it is, so the copy computes what the model computes, up to float32 rounding inside
+the kernels.
 """
 
 from __future__ import annotations
@@ -25,17 +27,20 @@ from griffin.layers.attention import KVCache
 from griffin.layers.context import Context
 from griffin.layers.recurrent_block import RecurrentState
 from griffin.layers.rg_lru import RGLRU
-from griffin.model import ResidualBlock
+from griffin.model import ResidualBlock, ResidualBlocks
 from griffin.ops.decode_step import (
     STEP_DTYPES,
     BlockStep,
     RecurrentWeights,
+    Stack,
     attention_block_step,
     attention_step,
     gelu_product_step,
     recurrent_block_step,
     recurrent_step,
     rms_norm_step,
+    stack_blocks,
+    stack_step,
 )
 
 
@@ -156,9 +161,65 @@ class FusedResidualBlock(nn.Module):
         return block.proj_final(hidden)
 
 
+class FusedResidualBlocks(ResidualBlocks):
+    """:class:`griffin.model.ResidualBlocks` of :class:`FusedResidualBlock` whose decode steps, where every block
+    makes one call (its projections matvec swaps), run the whole stack in one call and one parallel region
+    (:func:`griffin.ops.decode_step.stack_step`), its weights and caches prepared once per cache. Anything else goes
+    through the blocks one by one."""
+
+    def __init__(self, blocks: ResidualBlocks) -> None:
+        super().__init__(blocks)
+        self.stackable = len(self) > 0 and all(isinstance(b, FusedResidualBlock) and b.one_call is not None
+                                               for b in self)
+        self._stack: tuple[object, Stack] | None = None  # (the cache it was prepared on, the stack)
+
+    def _caches(self, cache) -> list[tuple] | None:  # type: ignore[no-untyped-def]
+        """Each block's cache tensors, as :func:`griffin.ops.decode_step.stack_blocks` takes them, or None if a
+        block's cache is not one the stack's kernels read."""
+        caches = []
+        for block, state in zip(self, cache.blocks, strict=True):
+            if block.weights is not None and isinstance(state, RecurrentState):
+                caches.append((state.conv, state.h))
+            elif block.weights is None and isinstance(state, KVCache) and state.k.dtype == block.dtype:
+                temporal = block.temporal_block
+                caches.append((state.k, state.v, state.segment, state.count, temporal.local,
+                               temporal.head_dim**-0.5))
+            else:
+                return None
+        return caches
+
+    def _stack_for(self, cache, batch_size: int) -> Stack | None:  # type: ignore[no-untyped-def]
+        """The stack prepared on ``cache`` (again if its tensors changed), or None if a block's cache does not allow
+        it (then the blocks run one by one)."""
+        caches = self._caches(cache)
+        if caches is None:
+            return None
+        tensors = tuple(t for c in caches for t in c if isinstance(t, Tensor))
+        if self._stack is None or self._stack[0] is not cache or len(tensors) != len(self._stack[1].tensors) or any(
+                a is not b for a, b in zip(tensors, self._stack[1].tensors, strict=True)):
+            blocks = [(block.one_call, block.weights, parts) for block, parts in zip(self, caches, strict=True)]
+            self._stack = (cache, stack_blocks(blocks, batch_size))
+        return self._stack[1]
+
+    def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
+        first = self[0] if len(self) else None
+        if not (self.stackable and cache is not None and x.shape[1] == 1 and ctx.reset is None and ctx.pad is None
+                and x.dtype == first.dtype and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and (ctx.segments is not None or ctx.rope is None)):
+            return super().forward(x, ctx, cache)
+        stack = self._stack_for(cache, x.shape[0])
+        if stack is None or (stack.attention is not None and ctx.segments is None):
+            return super().forward(x, ctx, cache)
+        B, _, D = x.shape
+        return stack_step(x.reshape(B, D).contiguous(), stack, ctx.rope, ctx.segments, ctx.cache_len).view(B, 1, D)
+
+
 def fused_step_swapped(model: nn.Module) -> nn.Module:
-    """``model`` (a decode copy, changed in place) with each residual block a :class:`FusedResidualBlock`."""
+    """``model`` (a decode copy, changed in place) with each residual block a :class:`FusedResidualBlock`, and their
+    list a :class:`FusedResidualBlocks`."""
     for i, block in enumerate(model.blocks):
         if isinstance(block, ResidualBlock):
             model.blocks[i] = FusedResidualBlock(block)
+    if isinstance(model.blocks, ResidualBlocks):
+        model.blocks = FusedResidualBlocks(model.blocks)
     return model

@@ -1,8 +1,8 @@
 """The work of a decode step between its weight matmuls on CPU, fused (Section 5): RMSNorm and the residual add before
 it, the gated MLP's GeLU product, the whole recurrent block between its two projections (the Conv1D step, the RG-LRU's
 block-diagonal gates and recurrence of Section 2.4, the product with the GeLU branch) in one parallel region, and
-multi-query attention between its projections (RoPE, the key/value cache write, the attention over the cache of
-Section 2.3).
+multi-query attention between its projections (RoPE, the key/value cache write, the attention over the cache of Section
+2.3).
 
 At one token per row these layers hold a few thousand values each, and the eager operators that compute them in the
 model (about 150 per layer and step) cost more than their arithmetic. Each kernel computes what its layer's forward
@@ -10,13 +10,12 @@ computes for one token per row without document starts or padding (every decode 
 dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
 before using them). A residual block's whole step is one call (:func:`recurrent_block_step`,
-:func:`attention_block_step`): these kernels around its four weight matmuls
-(:func:`griffin.ops.matvec.cpu.rows_task`), in one parallel region whose threads share their tasks
-(:mod:`griffin.ops.tasks`). e^x and the sigmoid are the fused RG-LRU kernel's
-(:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a
-scalar call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`,
-:class:`griffin.layers.GatedMLP`, :class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`):
-tests compare the kernels to them.
+:func:`attention_block_step`): these kernels around its four weight matmuls (:func:`griffin.ops.matvec.cpu.rows_task`),
+in one parallel region whose threads share their tasks (:mod:`griffin.ops.tasks`); a step's whole stack of blocks is one
+call (:func:`stack_step`). e^x and the sigmoid are the fused RG-LRU kernel's
+(:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a scalar
+call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`, :class:`griffin.layers.GatedMLP`,
+:class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`): tests compare the kernels to them.
 """
 
 from __future__ import annotations
@@ -488,14 +487,20 @@ def _attention_arguments(name: str, qkv_shape: tuple[int, ...], rope: tuple[Tens
     if any(t.dtype != torch.int64 for t in (segment_cache, count, segments)) or not (
             segment_cache.is_contiguous() and count.is_contiguous()):
         raise ValueError(f"{name}: segment_cache, count (contiguous: written in place) and segments must be int64")
+    cos, sin = _rope_arrays(name, rope, B, d)
+    tasks = max(1, -(-numba.get_num_threads() // (B * Hk)))  # tasks per row and key/value head
+    return H, d, (cos, sin, storage(k_cache), storage(v_cache), segment_cache.numpy(), count.numpy(),
+                  segments.reshape(B).contiguous().numpy(), local, slots, float(scale), -(-(H // Hk) // tasks))
+
+
+def _rope_arrays(name: str, rope: tuple[Tensor, Tensor] | None, B: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (cos, sin) (B, 1, half) of a step's tokens as the attention kernel reads them, (B, half) each, checked
+    (None: no RoPE, half 0)."""
     cos, sin = (torch.empty(B, 0), torch.empty(B, 0)) if rope is None else (t.reshape(B, -1) for t in rope)
     if cos.dtype not in STEP_DTYPES or sin.dtype != cos.dtype or sin.shape != cos.shape or 2 * cos.shape[1] > d:
         raise ValueError(f"{name}: rope must be float32 or bfloat16 (cos, sin), each (B, 1, half) with half <= "
                          f"{d // 2}, got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
-    tasks = max(1, -(-numba.get_num_threads() // (B * Hk)))  # tasks per row and key/value head
-    return H, d, (storage(cos.contiguous()), storage(sin.contiguous()), storage(k_cache), storage(v_cache),
-                  segment_cache.numpy(), count.numpy(), segments.reshape(B).contiguous().numpy(), local, slots,
-                  float(scale), -(-(H // Hk) // tasks))
+    return storage(cos.contiguous()), storage(sin.contiguous())
 
 
 def attention_step(qkv: Tensor, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor, v_cache: Tensor,
@@ -779,4 +784,183 @@ def attention_block_step(x: Tensor, block: BlockStep, rope: tuple[Tensor, Tensor
     out = torch.empty_like(x)
     _attention_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, cache,
                             block.exact, matvec_module.kernel_settings(), numba.get_num_threads(), storage(out))
+    return out
+
+
+# A decode step's whole stack of residual blocks in one call from Python: a compiled loop over the blocks that calls
+# each block's kernel above (:func:`_recurrent_block_kernel`, :func:`_attention_block_kernel`), the next block reading
+# the one before's output. No Python, checks or allocations of tensors between the blocks. The blocks' weights and
+# caches are prepared once per cache (:func:`stack_blocks`), in two typed lists (one per kind of temporal block, an
+# item per block), so that a call unboxes two lists instead of every block's arrays. (One parallel region for the whole
+# stack was slower: the arrays a thread takes from a list inside a region are not the region's arguments, and numba's
+# code for the tasks on them ran slower, docs/performance.md.)
+
+RECURRENT, ATTENTION = 0, 1  # the kinds of :func:`stack_step`'s ``order``
+
+
+def _stack_recurrent(items, i, x, settings, threads, out):  # type: ignore[no-untyped-def]
+    """Recurrent block i of ``items`` (None: the model has none) for rows x into out."""
+    raise NotImplementedError  # numba only
+
+
+@overload(_stack_recurrent)
+def _stack_recurrent_impl(items, i, x, settings, threads, out):  # type: ignore[no-untyped-def]
+    if isinstance(items, types.NoneType):
+        return lambda items, i, x, settings, threads, out: None
+
+    def run(items, i, x, settings, threads, out):  # type: ignore[no-untyped-def]
+        norms, mixer_in, mixer_out, up, down, exact, conv_state, h, rec = items[i]
+        _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, threads,
+                                out)
+
+    return run
+
+
+def _stack_attention(items, i, x, step, settings, threads, out):  # type: ignore[no-untyped-def]
+    """Attention block i of ``items`` (None: the model has none) for rows x into out; ``step`` = (cos, sin, segments,
+    cache_len) of this step's tokens."""
+    raise NotImplementedError  # numba only
+
+
+@overload(_stack_attention)
+def _stack_attention_impl(items, i, x, step, settings, threads, out):  # type: ignore[no-untyped-def]
+    if isinstance(items, types.NoneType):
+        return lambda items, i, x, step, settings, threads, out: None
+
+    def run(items, i, x, step, settings, threads, out):  # type: ignore[no-untyped-def]
+        (norms, mixer_in, mixer_out, up, down, exact, k_cache, v_cache, seg_cache, count, local, scale,
+         per_task) = items[i]
+        cos, sin, segments, cache_len = step
+        S = k_cache.shape[1]
+        slots = S if local or cache_len < 0 else min(cache_len, S)
+        cache = (cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task)
+        _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cache, exact, settings, threads, out)
+
+    return run
+
+
+def _check_attention_caches(items):  # type: ignore[no-untyped-def]
+    raise NotImplementedError  # numba only
+
+
+@overload(_check_attention_caches)
+def _check_attention_caches_impl(items):  # type: ignore[no-untyped-def]
+    if isinstance(items, types.NoneType):
+        return lambda items: None
+
+    def check(items):  # type: ignore[no-untyped-def]
+        for i in range(len(items)):
+            item = items[i]
+            _attention_check(item[6], item[9], item[10])
+
+    return check
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _stack_kernel(x, recurrent, attention, order, step, settings, threads, out):  # type: ignore[no-untyped-def]
+    """The residual blocks in ``order`` ((kind, index in its list) per block) for rows x (B, D) into out (B, D), every
+    global attention cache checked for room first (so that a full one stops the step before any block writes)."""
+    _check_attention_caches(attention)
+    n = order.shape[0]
+    ping, pong = np.empty_like(x), np.empty_like(x)
+    for k in range(n):
+        source = x if k == 0 else (ping if k % 2 == 1 else pong)
+        target = out if k == n - 1 else (ping if k % 2 == 0 else pong)
+        if order[k, 0] == RECURRENT:
+            _stack_recurrent(recurrent, order[k, 1], source, settings, threads, target)
+        else:
+            _stack_attention(attention, order[k, 1], source, step, settings, threads, target)
+
+
+@dataclass
+class Stack:
+    """A decode step's residual blocks prepared for :func:`stack_step` on one cache: per kind of temporal block, a
+    typed list of the blocks' weights and caches (views of the cache's tensors, updated in place by each step);
+    ``order`` the blocks' (kind, index in its list); ``tensors`` the cache tensors the lists view, which a caller checks
+    are still the cache's."""
+
+    recurrent: numba.typed.List | None
+    attention: numba.typed.List | None
+    order: np.ndarray
+    width: int
+    dtype: torch.dtype
+    batch_size: int
+    head_dim: int  # the attention blocks' (0: none)
+    tensors: tuple[Tensor, ...]
+
+
+def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]], batch_size: int) -> Stack:
+    """The blocks (in order: each its :class:`BlockStep`, its :class:`RecurrentWeights` or None for multi-query
+    attention, and its cache: ``(conv_state, h)`` for a recurrent block as :func:`recurrent_block_step` takes them,
+    ``(k_cache, v_cache, segment_cache, count, local, scale)`` for attention as :func:`attention_block_step` does)
+    prepared for :func:`stack_step` on ``batch_size`` rows. Raises ValueError where a block or cache does not fit."""
+    if not blocks:
+        raise ValueError("stack_blocks: no blocks")
+    first = blocks[0][0]
+    recurrent, attention, order, tensors, head_dim = [], [], [], [], 0
+    for k, (block, weights, cache) in enumerate(blocks):
+        if block.width != first.width or block.dtype != first.dtype:
+            raise ValueError(f"stack_blocks: block {k} is ({block.width}, {block.dtype}), block 0 ({first.width}, "
+                             f"{first.dtype})")
+        B, shared = batch_size, (block.norms, block.mixer_in, block.mixer_out, block.up, block.down, block.exact)
+        if weights is not None:
+            conv_state, h = cache
+            _check_recurrent("stack_blocks", (B, block.mixer_in[3].shape[0]), conv_state, h, weights, block.dtype)
+            if block.mixer_out[0][0].shape[1] != weights.width:
+                raise ValueError(f"stack_blocks: block {k}'s output projection reads {block.mixer_out[0][0].shape[1]} "
+                                 f"inputs, not its recurrent width {weights.width}")
+            order.append((RECURRENT, len(recurrent)))
+            recurrent.append((*shared, storage(conv_state), h.numpy(), weights.arrays()))
+            tensors += [conv_state, h]
+        else:
+            k_cache, v_cache, segment_cache, count, local, scale = cache
+            S = k_cache.shape[1]
+            H, d, arrays = _attention_arguments("stack_blocks", (B, block.mixer_in[3].shape[0]), None, k_cache,
+                                                v_cache, segment_cache, count, torch.zeros(B, 1, dtype=torch.int64),
+                                                bool(local), S, scale, block.dtype)
+            if block.mixer_out[0][0].shape[1] != H * d:
+                raise ValueError(f"stack_blocks: block {k}'s output projection reads {block.mixer_out[0][0].shape[1]} "
+                                 f"inputs, not the {H} heads of {d}")
+            _, _, k_st, v_st, seg, cnt, _, local, _, scale, per_task = arrays
+            head_dim = d
+            order.append((ATTENTION, len(attention)))
+            attention.append((*shared, k_st, v_st, seg, cnt, local, scale, per_task))
+            tensors += [k_cache, v_cache, segment_cache, count]
+    lists = []
+    for items in (recurrent, attention):
+        typed = None
+        if items:
+            typed = numba.typed.List()
+            for item in items:
+                typed.append(item)
+        lists.append(typed)
+    return Stack(*lists, np.array(order, np.int64).reshape(-1, 2), first.width, first.dtype, batch_size, head_dim,
+                 tuple(tensors))
+
+
+def stack_step(x: Tensor, stack: Stack, rope: tuple[Tensor, Tensor] | None, segments: Tensor | None,
+               cache_len: int | None) -> Tensor:
+    """The stack's residual blocks, one token of each row of x (B, D) (the residual stream) in one call: what the
+    blocks compute one after the other (:func:`recurrent_block_step`, :func:`attention_block_step`), their caches
+    updated in place. ``rope`` and ``segments`` (B, 1) are the step's tokens' (as :func:`attention_step` takes them;
+    unused without attention blocks), ``cache_len`` the tokens a global attention cache holds after this step (None:
+    every slot). Returns the last block's output (B, D) in x's dtype."""
+    if x.dim() != 2 or x.shape != (stack.batch_size, stack.width) or x.dtype != stack.dtype or (
+            x.device.type != "cpu" or not x.is_contiguous()):
+        raise ValueError(f"stack_step: x must be contiguous ({stack.batch_size}, {stack.width}) {stack.dtype} CPU "
+                         f"rows, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    B = x.shape[0]
+    if stack.attention is not None:
+        cos, sin = _rope_arrays("stack_step", rope, B, stack.head_dim)
+        if segments is None or segments.shape != (B, 1) or segments.dtype != torch.int64:
+            raise ValueError(f"stack_step: segments must be ({B}, 1) int64, got "
+                             f"{None if segments is None else (tuple(segments.shape), segments.dtype)}")
+        ids = segments.reshape(B).contiguous().numpy()
+    else:
+        cos = sin = np.empty((B, 0), np.float32)
+        ids = np.zeros(B, np.int64)
+    out = torch.empty_like(x)
+    _stack_kernel(storage(x), stack.recurrent, stack.attention, stack.order,
+                  (cos, sin, ids, -1 if cache_len is None else int(cache_len)), matvec_module.kernel_settings(),
+                  numba.get_num_threads(), storage(out))
     return out
