@@ -188,8 +188,8 @@ MATMULS = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedL
 def profile_steps(loop: Callable, top: int) -> list[dict]:
     """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
     step left out); the numba kernels' calls appear under their own names (``matvec (numba)``, ``block-diagonal gates
-    (numba)``, the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``, and at one row
-    its residual blocks' one call each, their matmuls included), and the
+    (numba)``, the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``, its residual
+    blocks' one call each, and at one row the one call of the whole stack of blocks, their matmuls included), and the
     step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -202,7 +202,8 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
                 (fused_step, "recurrent_step", "recurrent block (numba)"),
                 (fused_step, "attention_step", "attention (numba)"),
                 (fused_step, "recurrent_block_step", "recurrent residual block, one call (numba)"),
-                (fused_step, "attention_block_step", "attention residual block, one call (numba)")]
+                (fused_step, "attention_block_step", "attention residual block, one call (numba)"),
+                (fused_step, "stack_step", "residual blocks, one call per step (numba)")]
     originals = [getattr(owner, name) for owner, name, _ in labelled]
 
     def recorded(fn: Callable, label: str) -> Callable:

@@ -163,14 +163,13 @@ class FusedResidualBlock(nn.Module):
 
 class FusedResidualBlocks(ResidualBlocks):
     """:class:`griffin.model.ResidualBlocks` of :class:`FusedResidualBlock` whose decode steps, where every block
-    makes one call (its projections matvec swaps), run the whole stack in one call and one parallel region
+    makes one call (its projections matvec swaps), run the whole stack in one call from Python
     (:func:`griffin.ops.decode_step.stack_step`), its weights and caches prepared once per cache. Anything else goes
     through the blocks one by one."""
 
     def __init__(self, blocks: ResidualBlocks) -> None:
         super().__init__(blocks)
-        self.stackable = len(self) > 0 and all(isinstance(b, FusedResidualBlock) and b.one_call is not None
-                                               for b in self)
+        self.stackable = True  # whether a step may run as one call (False: the blocks one by one, as for comparisons)
         self._stack: tuple[object, Stack] | None = None  # (the cache it was prepared on, the stack)
 
     def _caches(self, cache) -> list[tuple] | None:  # type: ignore[no-untyped-def]
@@ -204,6 +203,7 @@ class FusedResidualBlocks(ResidualBlocks):
     def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
         first = self[0] if len(self) else None
         if not (self.stackable and cache is not None and x.shape[1] == 1 and ctx.reset is None and ctx.pad is None
+                and all(isinstance(b, FusedResidualBlock) and b.one_call is not None for b in self)
                 and x.dtype == first.dtype and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and (ctx.segments is not None or ctx.rope is None)):
             return super().forward(x, ctx, cache)
