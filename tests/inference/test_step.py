@@ -276,3 +276,23 @@ def test_stack_step_with_a_full_global_cache_writes_nothing(gen):
         copy.blocks(x, ctx, cache)
     for name, t in cache.tensors().items():
         assert torch.equal(t, before[name]), name
+
+
+@torch.no_grad()
+def test_stack_step_rejects_rows_and_tokens_that_do_not_fit(gen):
+    """stack_step called with rows of another shape or dtype than its stack's, or without the tokens' document ids
+    where it has attention blocks: a ValueError naming them, before any cache is written."""
+    model = tiny("griffin", gen, torch.bfloat16)
+    copy = decode_model(model, 1)
+    _, cache = prefill(copy, torch.randint(0, 32, (1, 5), generator=gen), max_length=8)
+    stack = copy.blocks._stack_for(cache, 1)
+    ctx = copy.context(torch.zeros(1, 1, dtype=torch.long), None, cache)
+    before = {name: t.clone() for name, t in cache.tensors().items()}
+    width = model.config.width
+    for x, segments, match in ((torch.zeros(2, width, dtype=torch.bfloat16), ctx.segments, rf"\(1, {width}\)"),
+                               (torch.zeros(1, width), ctx.segments, "bfloat16"),
+                               (torch.zeros(1, width, dtype=torch.bfloat16), None, "segments")):
+        with pytest.raises(ValueError, match=match):
+            fused_step.stack_step(x, stack, ctx.rope, segments, ctx.cache_len)
+    for name, t in cache.tensors().items():
+        assert torch.equal(t, before[name]), name

@@ -202,7 +202,8 @@ class FusedResidualBlocks(ResidualBlocks):
 
     def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
         first = self[0] if len(self) else None
-        if not (self.stackable and cache is not None and x.shape[1] == 1 and ctx.reset is None and ctx.pad is None
+        if not (self.stackable and first is not None and cache is not None and x.shape[1] == 1 and ctx.reset is None
+                and ctx.pad is None
                 and all(isinstance(b, FusedResidualBlock) and b.one_call is not None for b in self)
                 and x.dtype == first.dtype and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and (ctx.segments is not None or ctx.rope is None)):
