@@ -3,6 +3,7 @@ work through griffin.ops.decode_step, and equals the same copy without the fusio
 the block as it is (Section 5)."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -258,6 +259,20 @@ def test_stack_step_follows_a_cache_whose_tensors_were_replaced(gen):
     assert torch.equal(got, want)
     for name, t in want_cache.tensors().items():
         assert torch.equal(got_cache.tensors()[name], t), name
+
+
+@torch.no_grad()
+def test_the_stack_is_dropped_with_its_cache(gen):
+    """A decode copy that serves one request after another does not keep the last request's cache alive: the stack
+    prepared on a cache (which views its tensors) goes when the cache goes."""
+    model = tiny("griffin", gen, torch.bfloat16)
+    copy = decode_model(model, 1)
+    _, cache = prefill(copy, torch.randint(0, 32, (1, 5), generator=gen), max_length=16)
+    Decoder(copy, cache)(torch.zeros(1, dtype=torch.long))
+    assert copy.blocks._stack is not None
+    del cache
+    gc.collect()
+    assert copy.blocks._stack is None
 
 
 @torch.no_grad()

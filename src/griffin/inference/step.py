@@ -18,6 +18,8 @@ the kernels.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -170,7 +172,9 @@ class FusedResidualBlocks(ResidualBlocks):
     def __init__(self, blocks: ResidualBlocks) -> None:
         super().__init__(blocks)
         self.stackable = True  # whether a step may run as one call (False: the blocks one by one, as for comparisons)
-        self._stack: tuple[object, Stack] | None = None  # (the cache it was prepared on, the stack)
+        # (a weak reference to the cache it was prepared on, the stack): the stack holds views of the cache's tensors,
+        # dropped with the cache (a decode copy that serves many requests does not keep the last one's cache alive)
+        self._stack: tuple[weakref.ref, Stack] | None = None
 
     def _caches(self, cache) -> list[tuple] | None:  # type: ignore[no-untyped-def]
         """Each block's cache tensors, as :func:`griffin.ops.decode_step.stack_blocks` takes them, or None if a
@@ -194,11 +198,16 @@ class FusedResidualBlocks(ResidualBlocks):
         if caches is None:
             return None
         tensors = tuple(t for c in caches for t in c if isinstance(t, Tensor))
-        if self._stack is None or self._stack[0] is not cache or len(tensors) != len(self._stack[1].tensors) or any(
+        if self._stack is None or self._stack[0]() is not cache or len(tensors) != len(self._stack[1].tensors) or any(
                 a is not b for a, b in zip(tensors, self._stack[1].tensors, strict=True)):
             blocks = [(block.one_call, block.weights, parts) for block, parts in zip(self, caches, strict=True)]
-            self._stack = (cache, stack_blocks(blocks, batch_size))
+            self._stack = (weakref.ref(cache, self._forget), stack_blocks(blocks, batch_size))
         return self._stack[1]
+
+    def _forget(self, ref: weakref.ref) -> None:
+        """Drop the stack prepared on a cache that is gone."""
+        if self._stack is not None and self._stack[0] is ref:
+            self._stack = None
 
     def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
         first = self[0] if len(self) else None
