@@ -18,8 +18,6 @@ the kernels.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor, nn
 
@@ -172,9 +170,10 @@ class FusedResidualBlocks(ResidualBlocks):
     def __init__(self, blocks: ResidualBlocks) -> None:
         super().__init__(blocks)
         self.stackable = True  # whether a step may run as one call (False: the blocks one by one, as for comparisons)
-        # (a weak reference to the cache it was prepared on, the stack): the stack holds views of the cache's tensors,
-        # dropped with the cache (a decode copy that serves many requests does not keep the last one's cache alive)
-        self._stack: tuple[weakref.ref, Stack] | None = None
+        # (where the cache's tensors it was prepared on lie, the stack). The stack views that memory, so a cache whose
+        # tensors lie there again (a new view of the same cache, as griffin serve makes at every step) reuses it, and
+        # the memory of the last cache stepped stays alive as long as this copy or until another cache is stepped.
+        self._stack: tuple[tuple, Stack] | None = None
 
     def _caches(self, cache) -> list[tuple] | None:  # type: ignore[no-untyped-def]
         """Each block's cache tensors, as :func:`griffin.ops.decode_step.stack_blocks` takes them, or None if a
@@ -192,22 +191,16 @@ class FusedResidualBlocks(ResidualBlocks):
         return caches
 
     def _stack_for(self, cache, batch_size: int) -> Stack | None:  # type: ignore[no-untyped-def]
-        """The stack prepared on ``cache`` (again if its tensors changed), or None if a block's cache does not allow
-        it (then the blocks run one by one)."""
+        """The stack prepared on ``cache`` (again if its tensors lie elsewhere than the last cache's), or None if a
+        block's cache does not allow it (then the blocks run one by one)."""
         caches = self._caches(cache)
         if caches is None:
             return None
-        tensors = tuple(t for c in caches for t in c if isinstance(t, Tensor))
-        if self._stack is None or self._stack[0]() is not cache or len(tensors) != len(self._stack[1].tensors) or any(
-                a is not b for a, b in zip(tensors, self._stack[1].tensors, strict=True)):
+        where = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for c in caches for t in c if isinstance(t, Tensor))
+        if self._stack is None or self._stack[0] != where:
             blocks = [(block.one_call, block.weights, parts) for block, parts in zip(self, caches, strict=True)]
-            self._stack = (weakref.ref(cache, self._forget), stack_blocks(blocks, batch_size))
+            self._stack = (where, stack_blocks(blocks, batch_size))
         return self._stack[1]
-
-    def _forget(self, ref: weakref.ref) -> None:
-        """Drop the stack prepared on a cache that is gone."""
-        if self._stack is not None and self._stack[0] is ref:
-            self._stack = None
 
     def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
         first = self[0] if len(self) else None
