@@ -851,7 +851,7 @@ def _check_attention_caches_impl(items):  # type: ignore[no-untyped-def]
     def check(items):  # type: ignore[no-untyped-def]
         for i in range(len(items)):
             item = items[i]
-            _attention_check(item[6], item[9], item[10])
+            _attention_check(item[6], item[9], item[10])  # (k_cache, count, local)
 
     return check
 
@@ -876,8 +876,7 @@ def _stack_kernel(x, recurrent, attention, order, step, settings, threads, out):
 class Stack:
     """A decode step's residual blocks prepared for :func:`stack_step` on one cache: per kind of temporal block, a
     typed list of the blocks' weights and caches (views of the cache's tensors, updated in place by each step);
-    ``order`` the blocks' (kind, index in its list); ``tensors`` the cache tensors the lists view, which a caller checks
-    are still the cache's."""
+    ``order`` the blocks' (kind, index in its list)."""
 
     recurrent: numba.typed.List | None
     attention: numba.typed.List | None
@@ -886,7 +885,6 @@ class Stack:
     dtype: torch.dtype
     batch_size: int
     head_dim: int  # the attention blocks' (0: none)
-    tensors: tuple[Tensor, ...]
 
 
 def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]], batch_size: int) -> Stack:
@@ -897,12 +895,13 @@ def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]]
     if not blocks:
         raise ValueError("stack_blocks: no blocks")
     first = blocks[0][0]
-    recurrent, attention, order, tensors, head_dim = [], [], [], [], 0
+    B = batch_size
+    recurrent, attention, order, head_dim = [], [], [], 0
     for k, (block, weights, cache) in enumerate(blocks):
         if block.width != first.width or block.dtype != first.dtype:
             raise ValueError(f"stack_blocks: block {k} is ({block.width}, {block.dtype}), block 0 ({first.width}, "
                              f"{first.dtype})")
-        B, shared = batch_size, (block.norms, block.mixer_in, block.mixer_out, block.up, block.down, block.exact)
+        shared = (block.norms, block.mixer_in, block.mixer_out, block.up, block.down, block.exact)
         if weights is not None:
             conv_state, h = cache
             _check_recurrent("stack_blocks", (B, block.mixer_in[3].shape[0]), conv_state, h, weights, block.dtype)
@@ -911,7 +910,6 @@ def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]]
                                  f"inputs, not its recurrent width {weights.width}")
             order.append((RECURRENT, len(recurrent)))
             recurrent.append((*shared, storage(conv_state), h.numpy(), weights.arrays()))
-            tensors += [conv_state, h]
         else:
             k_cache, v_cache, segment_cache, count, local, scale = cache
             S = k_cache.shape[1]
@@ -925,7 +923,6 @@ def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]]
             head_dim = d
             order.append((ATTENTION, len(attention)))
             attention.append((*shared, k_st, v_st, seg, cnt, local, scale, per_task))
-            tensors += [k_cache, v_cache, segment_cache, count]
     lists = []
     for items in (recurrent, attention):
         typed = None
@@ -934,8 +931,7 @@ def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]]
             for item in items:
                 typed.append(item)
         lists.append(typed)
-    return Stack(*lists, np.array(order, np.int64).reshape(-1, 2), first.width, first.dtype, batch_size, head_dim,
-                 tuple(tensors))
+    return Stack(*lists, np.array(order, np.int64).reshape(-1, 2), first.width, first.dtype, batch_size, head_dim)
 
 
 def stack_step(x: Tensor, stack: Stack, rope: tuple[Tensor, Tensor] | None, segments: Tensor | None,
