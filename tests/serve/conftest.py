@@ -77,6 +77,7 @@ def start_server(model: CausalLM, model_name: str = "tiny", **engine_options: An
     options = dict(max_batch=8, prefill_chunk=16)
     options.update(engine_options)
     engine = Engine(model, tokenizer, **options)
+    engine.warmup()  # as griffin serve does: a cold numba cache compiles here, not inside a client's timeout
     app = build_app(Server(engine, tokenizer, model_name))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

@@ -222,8 +222,11 @@ def test_prefix_cache_lookup_equals_the_reference_and_stays_in_budget(gen):
     logits = torch.zeros(256)
     size = one.nbytes() + logits.numel() * 4
     cache = PrefixCache(max_bytes=3 * size)
-    seqs = [random_prompt(gen, 1, 6) for _ in range(6)]
-    seqs += [seqs[0] + random_prompt(gen, 1, 4), seqs[1] + seqs[2]]
+    seqs: list[list[int]] = []
+    while len(seqs) < 6:  # distinct prompts (storing one again evicts nothing: a short random prompt can repeat)
+        if (s := random_prompt(gen, 1, 6)) not in seqs:
+            seqs.append(s)
+    seqs += [s for s in (seqs[0] + random_prompt(gen, 1, 4), seqs[1] + seqs[2]) if s not in seqs]
     for s in seqs:
         cache.store(s, one, logits)
         assert cache.nbytes <= cache.max_bytes and len(cache) <= 3
