@@ -66,6 +66,8 @@ TILE = TILE_ROWS  # output rows per task (16: one AMX tile of weight rows, which
 # How far ahead (bytes of weights) the kernels prefetch (0: not at all), read at each call. At several rows, while a
 # block is read again from L1 for the next input rows, nothing else draws the next rows from memory; at one row the
 # hardware prefetcher does not cross the 4 KiB page a row's stream enters (docs/performance.md, "CPU decode at 1–3B").
+# The one-row bfloat16 and int8 kernels ask with each vector they load (griffin.ops.matvec.isa.dot_bf16), the others a
+# row's worth at the start of each row (_prefetch_row).
 PREFETCH_BYTES = 1 << 16
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -264,8 +266,7 @@ def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: i
     w = weights[j]
     for i in range(rows):
         row, c = w[r0 + i], c0 + i
-        _prefetch_row(w, r0 + i, ahead_bytes)
-        acc = dot_bf16(x, row, 0, kv)
+        acc = dot_bf16(x, row, 0, kv, ahead_bytes // 2, (w.shape[0] - r0 - i) * K)
         for k in range(kv, K):
             acc += widen(x[k]) * widen(row[k])
         out[c] = acc + bias[c]
@@ -288,13 +289,13 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
     w = weights[j]
     for i in range(rows):
         row, c = w[r0 + i], c0 + i
-        _prefetch_row(w, r0 + i, ahead_bytes)
+        limit = (w.shape[0] - r0 - i) * K
         total = np.float32(0.0)
         for g in range(G):
             k0 = g * group
             acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
             for d in range(0, gv, DOT_CHUNK):
-                acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d))
+                acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes, limit)
             for k in range(k0 + gv, k0 + group):
                 acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(row[k])
             total += np.float32(acc) * scale[c, g]
