@@ -55,6 +55,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # as griffin sets it, but torch is imported first here
 
+import numba  # noqa: E402
 import torch  # noqa: E402
 
 from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
@@ -330,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per row (random)")
     p.add_argument("--warmup", type=int, default=3, help="decode steps left out before timing")
     p.add_argument("--steps", type=int, default=8, help="decode steps timed (median kept)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch's threads and the numba kernels' (those at most numba's pool, NUMBA_NUM_THREADS)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (Decoder(compile=True))")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers' RecurrentGemma")
     p.add_argument("--profile", action="store_true",
@@ -368,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--read-gib={args.read_gib} must be positive")
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    if args.threads < 1:
+        raise SystemExit(f"--threads={args.threads} must be >= 1")
     torch.set_num_threads(args.threads)
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     configs = {name: ModelConfig.from_preset(name) for name in args.models}  # unknown names fail here, named
     started = time.perf_counter()
     info = machine_info(torch.device("cpu"))
