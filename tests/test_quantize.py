@@ -10,7 +10,9 @@ import griffin
 from griffin import CausalLM, Decoder, ModelConfig, load_pretrained, prefill, save_pretrained
 from griffin.cli import main
 from griffin.interop import CheckpointError, export_hf, quantize_checkpoint
-from griffin.layers.quantized import Int8Embedding, Int8Linear, Int8TiedOutput
+from griffin.io import write_safetensors
+from griffin.layers import BlockDiagonalLinear
+from griffin.layers.quantized import Int8BlockDiagonalLinear, Int8Embedding, Int8Linear, Int8TiedOutput
 from griffin.ops.matvec import dequantize_int8
 from griffin.quantize import quantization_of, quantization_of_state, quantize_int8
 from tests.conftest import perturb_, seed_torch
@@ -54,19 +56,22 @@ def test_layers_swapped_and_kept(gen):
     mlp, rec = q.blocks[0].mlp_block, q.blocks[0].temporal_block
     assert all(isinstance(m, Int8Linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, rec.linear_x,
                                                    rec.linear_y, rec.linear_out, q.blocks[2].temporal_block.proj_q))
-    # Kept in float and shared with the float model: RG-LRU, Conv1D, norms, biases.
-    assert rec.rg_lru.a_gate.w is model.blocks[0].temporal_block.rg_lru.a_gate.w
-    assert rec.rg_lru.a_param is model.blocks[0].temporal_block.rg_lru.a_param
-    assert rec.conv_1d.w is model.blocks[0].temporal_block.conv_1d.w
+    float_rec = model.blocks[0].temporal_block
+    assert all(isinstance(g, Int8BlockDiagonalLinear) for g in (rec.rg_lru.a_gate, rec.rg_lru.input_gate))
+    # Kept in float and shared with the float model: the RG-LRU's decay, Conv1D, norms, biases (the gates' too).
+    assert rec.rg_lru.a_param is float_rec.rg_lru.a_param and rec.rg_lru.a_gate.b is float_rec.rg_lru.a_gate.b
+    assert rec.conv_1d.w is float_rec.conv_1d.w
     assert mlp.gate_proj.bias is model.blocks[0].mlp_block.gate_proj.bias
     names = set(q.state_dict())
     float_names = set(model.state_dict())
     assert float_names <= names and {n for n in names - float_names} == {
         n.removesuffix(".weight") + ".weight_scale" for n in float_names
-        if n.endswith(".weight") and "norm" not in n}
+        if n.endswith(".weight") and "norm" not in n} | {n + "_scale" for n in float_names if n.endswith("gate.w")}
     assert q.num_parameters() == model.num_parameters()
     assert torch.equal(dequantize_int8(mlp.up_proj.weight, mlp.up_proj.weight_scale),
                        mlp.up_proj.dequantize())
+    kept = quantize_int8(model, group_size=8, gates=False).blocks[0].temporal_block.rg_lru
+    assert kept.a_gate.w is float_rec.rg_lru.a_gate.w and kept.input_gate.w is float_rec.rg_lru.input_gate.w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,6 +86,19 @@ def test_int8_round_trips_through_save_and_load(gen, tmp_path, dtype):
     ids = torch.randint(0, 32, (2, 9), generator=gen)
     assert torch.equal(back(ids), q(ids))
     assert quantization_of_state(dict(back.state_dict())) == {"method": "int8", "group_size": 8}
+    assert isinstance(back.blocks[0].temporal_block.rg_lru.a_gate, Int8BlockDiagonalLinear)
+
+
+def test_checkpoints_with_float_gates_load_as_they_are(gen, tmp_path):
+    """An int8 checkpoint whose gates are in float (``gates=False``, or written before gates were quantised) loads
+    with float gates: which gates are int8 is read from the tensors, gate by gate."""
+    q = quantize_int8(tiny(gen).to(torch.bfloat16), gates=False)
+    save_pretrained(q, tmp_path)
+    back = load_pretrained(tmp_path)
+    gate = back.blocks[0].temporal_block.rg_lru.a_gate
+    assert type(gate) is BlockDiagonalLinear and gate.w.dtype == torch.bfloat16
+    ids = torch.randint(0, 32, (2, 9), generator=gen)
+    assert torch.equal(back(ids), q(ids))
 
 
 def test_quantised_greedy_decode_agrees_with_float(trained):
@@ -119,6 +137,11 @@ def test_quantize_command_and_generate(trained, tmp_path, capsys):
     from_file = capsys.readouterr().out
     assert main(["generate", str(tmp_path / "float"), "--quantize", "int8", "--group-size", "16", *args]) == 0
     assert capsys.readouterr().out == from_file  # quantised on loading: the same int8 model
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "int8-float-gates"), "--int8",
+                 "--float-gates"]) == 0
+    assert "RG-LRU gates in float" in capsys.readouterr().out
+    gate = load_pretrained(tmp_path / "int8-float-gates").blocks[0].temporal_block.rg_lru.input_gate
+    assert type(gate) is BlockDiagonalLinear and gate.w.dtype == torch.float32
 
 
 def test_bad_input_is_named(gen, tmp_path, capsys):
@@ -137,5 +160,11 @@ def test_bad_input_is_named(gen, tmp_path, capsys):
         quantize_checkpoint(tmp_path / "int8", tmp_path / "int8")
     with pytest.raises(CheckpointError, match="int8 weights"):
         export_hf(quantize_int8(tiny(gen, embed_scale=True, logits_soft_cap=30.0)), tmp_path / "hf")
+    state = dict(quantize_int8(model).state_dict())
+    state["blocks.0.temporal_block.rg_lru.a_gate.w_scale"] = state["blocks.0.temporal_block.rg_lru.a_gate.w_scale"][1:]
+    save_pretrained(quantize_int8(model), tmp_path / "bad")
+    write_safetensors(tmp_path / "bad" / "model.safetensors", state, {"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"a_gate\.w_scale is not the scale of int8 block-diagonal gates"):
+        load_pretrained(tmp_path / "bad")
     assert main(["quantize", str(tmp_path / "int8"), str(tmp_path / "x")]) == 2
     assert "choose the quantisation: --int8" in capsys.readouterr().err

@@ -3,32 +3,35 @@ weights' bytes over the memory bandwidth; int8 halves bfloat16's bytes), as modu
 
 :func:`quantize_int8` replaces every ``nn.Linear`` (the MLP's, the recurrent block's, attention's projections),
 the embedding and the output layer (tied to it or not) by their int8 versions (:mod:`griffin.layers.quantized`).
-What stays in the model's dtype: the RG-LRU (its decay Λ and block-diagonal gates, which set the recurrence's time
-scales: docs/performance.md measures quantising them too), the Conv1D, the norms and every bias. A quantised model
-is still a :class:`griffin.model.CausalLM`: its forward pass dequantises (the reference), and
-:class:`griffin.inference.Decoder` decodes with the CPU kernel that reads the int8 weights directly. Its state dict
-is the float model's names (int8 ``weight`` tensors) plus a float32 ``.weight_scale`` per quantised matrix, which is
-how a checkpoint says it is quantised (:func:`quantization_of_state`).
+The RG-LRU's block-diagonal gates become int8 too (:class:`griffin.layers.quantized.Int8BlockDiagonalLinear`, one
+scale per block and output column) unless ``gates=False``: rounding them moved the held-out loss of the README's
+model by -0.02% (benchmarks/quantize_quality.py, docs/performance.md). What stays in the model's dtype: the RG-LRU's
+decay Λ (it sets the recurrence's time scales), the Conv1D, the norms and every bias. A quantised model is still a
+:class:`griffin.model.CausalLM`: its forward pass dequantises (the reference), and :class:`griffin.inference.Decoder`
+decodes with the CPU kernels that read the int8 weights directly. Its state dict is the float model's names (int8
+``weight`` and gate ``w`` tensors) plus a float32 ``.weight_scale`` per quantised matrix (which is how a checkpoint
+says it is quantised, :func:`quantization_of_state`) and a ``.w_scale`` per int8 gate (:func:`int8_gates_of_state`;
+checkpoints written before the gates were quantised have none, and load with float gates).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from griffin.layers import BlockDiagonalLinear
-from griffin.layers.quantized import Int8Embedding, Int8Linear, Int8TiedOutput
+from griffin.layers.quantized import Int8BlockDiagonalLinear, Int8Embedding, Int8Linear, Int8TiedOutput
 from griffin.model import CausalLM, TiedOutput
 from griffin.ops.matvec import check_group_size
-from griffin.ops.matvec import quantize_int8 as quantize_matrix
 
 METHODS = ("int8",)
 SCALE_SUFFIX = ".weight_scale"
+GATE_SCALE_SUFFIX = ".w_scale"
 
 
 def quantization_of(model: nn.Module) -> dict[str, Any] | None:
@@ -51,7 +54,21 @@ def quantization_of_state(state: Mapping[str, Tensor]) -> dict[str, Any] | None:
     return None
 
 
-def _check(model: CausalLM, group_size: int, gates: bool) -> None:
+def int8_gates_of_state(state: Mapping[str, Tensor]) -> set[str]:
+    """The names of the block-diagonal gates a state dict holds in int8 (those with a ``.w_scale``)."""
+    gates = set()
+    for name, scale in state.items():
+        if name.endswith(GATE_SCALE_SUFFIX):
+            gate = name.removesuffix(GATE_SCALE_SUFFIX)
+            weight = state.get(f"{gate}.w")
+            if weight is None or weight.dtype != torch.int8 or weight.dim() != 3 or scale.shape != (
+                    weight.shape[0], weight.shape[2]):
+                raise ValueError(f"{name} is not the scale of int8 block-diagonal gates {gate}.w")
+            gates.add(gate)
+    return gates
+
+
+def _check(model: CausalLM, group_size: int) -> None:
     if not isinstance(model, CausalLM):
         raise TypeError(f"quantize_int8 takes a griffin CausalLM, got {type(model).__name__}")
     done = quantization_of(model)
@@ -69,17 +86,15 @@ def _check(model: CausalLM, group_size: int, gates: bool) -> None:
                 check_group_size(group_size, child.in_features, full)
             elif isinstance(child, nn.Embedding):
                 check_group_size(group_size, child.embedding_dim, full)
-            elif gates and isinstance(child, BlockDiagonalLinear):
-                check_group_size(group_size, child.w.shape[1], full)
 
 
-def quantize_int8(model: CausalLM, group_size: int = 0, inplace: bool = False, gates: bool = False) -> CausalLM:
+def quantize_int8(model: CausalLM, group_size: int = 0, inplace: bool = False, gates: bool = True) -> CausalLM:
     """The model with int8 weights (see the module docstring): a copy that shares the parameters kept in float
     (``inplace=True``: ``model`` itself, whose float weights are then freed). ``group_size``: 0 for one scale per
-    output channel, or a multiple of 8 dividing every quantised layer's input width (one scale per group of
-    inputs). ``gates=True`` also rounds the RG-LRU's block-diagonal gate weights to int8 values (kept in the model's
-    dtype, for measuring what that costs). The model must be a float model on the CPU."""
-    _check(model, group_size, gates)
+    output channel, or a multiple of 8 dividing every quantised linear layer's and the embedding's input width (one
+    scale per group of inputs; the gates have one per output column either way). ``gates=False`` keeps the RG-LRU's
+    block-diagonal gates in the model's dtype. The model must be a float model on the CPU."""
+    _check(model, group_size)
     if not inplace:
         memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
         model = copy.deepcopy(model, memo)
@@ -96,16 +111,14 @@ def quantize_int8(model: CausalLM, group_size: int = 0, inplace: bool = False, g
                 elif isinstance(child, TiedOutput):
                     setattr(parent, name, Int8TiedOutput(q_embed))
                 elif gates and isinstance(child, BlockDiagonalLinear):
-                    rounded = []
-                    for w in child.w:  # (blocks, in, out): each block's (out, in) matrix rounded
-                        q, s = quantize_matrix(w.T, group_size)
-                        rounded.append((q.float() * s.repeat_interleave(q.shape[1] // s.shape[1], 1)).T)
-                    child.w = nn.Parameter(torch.stack(rounded).to(child.w.dtype), requires_grad=False)
+                    setattr(parent, name, Int8BlockDiagonalLinear.from_float(child))
     return model.eval()
 
 
-def int8_structure_(model: CausalLM, group_size: int) -> CausalLM:
-    """Replace ``model``'s layers (on the meta device) by empty int8 ones, to load a quantised state dict into."""
+def int8_structure_(model: CausalLM, group_size: int, gates: Collection[str] = ()) -> CausalLM:
+    """Replace ``model``'s layers (on the meta device) by empty int8 ones, to load a quantised state dict into: the
+    linear layers, the embedding and the output layer, and the block-diagonal gates named in ``gates``
+    (:func:`int8_gates_of_state`)."""
     embed = model.embed
     q_embed = Int8Embedding(embed.num_embeddings, embed.embedding_dim, group_size, device="meta")
     for pname, parent in list(model.named_modules()):
@@ -119,6 +132,12 @@ def int8_structure_(model: CausalLM, group_size: int) -> CausalLM:
                 setattr(parent, name, q_embed)
             elif isinstance(child, TiedOutput):
                 setattr(parent, name, Int8TiedOutput(q_embed))
+            elif full in gates and isinstance(child, BlockDiagonalLinear):
+                H, Din, Dout = child.w.shape
+                setattr(parent, name, Int8BlockDiagonalLinear(H, H * Din, H * Dout, child.w.dtype, "meta"))
+    missing = set(gates) - {name for name, m in model.named_modules() if isinstance(m, Int8BlockDiagonalLinear)}
+    if missing:
+        raise ValueError(f"int8 gates {sorted(missing)} are not block-diagonal gates of this model")
     return model
 
 
@@ -127,7 +146,9 @@ def float32_scales_(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int8Embedding)):
             module.weight_scale = module.weight_scale.float()
+        elif isinstance(module, Int8BlockDiagonalLinear):
+            module.w_scale = module.w_scale.float()
 
 
-__all__ = ["METHODS", "SCALE_SUFFIX", "float32_scales_", "int8_structure_", "quantization_of",
-           "quantization_of_state", "quantize_int8"]
+__all__ = ["GATE_SCALE_SUFFIX", "METHODS", "SCALE_SUFFIX", "float32_scales_", "int8_gates_of_state", "int8_structure_",
+           "quantization_of", "quantization_of_state", "quantize_int8"]

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from griffin import ModelConfig
 from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, RMSNorm
+from griffin.layers.quantized import Int8BlockDiagonalLinear
 from griffin.layers.recurrent_block import RecurrentState
 from griffin.layers.rope import rope_angles
 from griffin.ops.decode_step import (
@@ -106,19 +107,29 @@ def recurrent_case(gen, dtype, rows, width, blocks, conv_width):
     return block, x, state
 
 
+def gate(layer):
+    """A gate's tensors as RecurrentWeights.prepare takes them: (w, b), or (w, b, scale) for int8 gates."""
+    return (layer.w, layer.b, layer.w_scale) if isinstance(layer, Int8BlockDiagonalLinear) else (layer.w, layer.b)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,width,blocks,conv_width", [(1, 24, 4, 4), (3, 21, 3, 2), (8, 40, 2, 1), (2, 12, 1, 5)])
-def test_recurrent_step_equals_the_block(gen, dtype, rows, width, blocks, conv_width):
+@pytest.mark.parametrize("rows,width,blocks,conv_width,int8_gates", [
+    (1, 24, 4, 4, False), (3, 21, 3, 2, False), (8, 40, 2, 1, False), (2, 12, 1, 5, False), (1, 24, 4, 4, True),
+    (3, 21, 3, 2, True)])
+def test_recurrent_step_equals_the_block(gen, dtype, rows, width, blocks, conv_width, int8_gates):
     """The block's output and its cache after one token: the Conv1D history shifted bit for bit, the RG-LRU state
     within float32 rounding, the output within one rounding of its dtype (the kernel computes the gates' sums in
-    another order, and e^x and the sigmoid in its own float32 arithmetic)."""
+    another order, and e^x and the sigmoid in its own float32 arithmetic). With int8 gates
+    (:class:`Int8BlockDiagonalLinear`), the block's reference forward dequantises them."""
     block, x, state = recurrent_case(gen, dtype, rows, width, blocks, conv_width)
+    lru = block.rg_lru
+    if int8_gates:
+        lru.input_gate, lru.a_gate = (Int8BlockDiagonalLinear.from_float(g) for g in (lru.input_gate, lru.a_gate))
     ref_state = RecurrentState(state.conv.clone(), state.h.clone())
     want = block(x, Context(torch.ones(rows, 1, dtype=torch.long)), ref_state)
-    lru = block.rg_lru
-    weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, (lru.input_gate.w, lru.input_gate.b),
-                                       (lru.a_gate.w, lru.a_gate.b), lru.a_param, lru.c)
+    weights = RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, gate(lru.input_gate), gate(lru.a_gate),
+                                       lru.a_param, lru.c)
     y_u = torch.cat(block.in_proj(x[:, 0]), -1)
     hidden = recurrent_step(y_u, state.conv, state.h, weights, block.config.gelu_approximation, dtype)
     assert torch.equal(state.conv, ref_state.conv)
@@ -228,9 +239,17 @@ def test_bad_input_is_named(gen):
     with pytest.raises(ValueError, match="do not fit width 24"):
         RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, gates[0], (lru.a_gate.w[:2], lru.a_gate.b),
                                  lru.a_param, lru.c)
-    with pytest.raises(ValueError, match="gate_x_w must be a float32 or bfloat16"):
+    with pytest.raises(ValueError, match="gates must be contiguous float32, bfloat16 or int8 CPU weights, got "
+                       "torch.float64"):
+        RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, *((g[0].double(), g[1]) for g in gates),
+                                 lru.a_param, lru.c)
+    with pytest.raises(ValueError, match="of one dtype, got torch.float64"):
         RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, (gates[0][0].double(), gates[0][1]), gates[1],
                                  lru.a_param, lru.c)
+    int8 = Int8BlockDiagonalLinear.from_float(lru.a_gate)
+    with pytest.raises(ValueError, match="int8 weights need their scales"):
+        RecurrentWeights.prepare(block.conv_1d.w, block.conv_1d.b, (int8.w, int8.b), (int8.w, int8.b), lru.a_param,
+                                 lru.c)
     with pytest.raises(ValueError, match="delta like x"):
         rms_norm_step(torch.zeros(2, 5), torch.zeros(5), 1e-6, delta=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="gate_up must be"):

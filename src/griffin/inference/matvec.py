@@ -8,7 +8,7 @@ tensor, in which
 - each :class:`griffin.layers.LinearGroup` (attention's q/k/v, the recurrent block's two branches, the MLP's two
   up-projections) is one :class:`MatvecLinear`: one call of the CPU kernel over all its matrices, no copy of them;
 - every other linear layer (and the output layer, tied or not) is a :class:`MatvecLinear` of its own,
-- the RG-LRU's block-diagonal gates are :class:`MatvecBlockDiagonal`,
+- the RG-LRU's block-diagonal gates (float or int8) are :class:`MatvecBlockDiagonal`,
 
 whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The kernel is
 :mod:`griffin.ops.matvec.cpu`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results equal
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from griffin.layers import BlockDiagonalLinear, LinearGroup
-from griffin.layers.quantized import Int8Linear, Int8TiedOutput
+from griffin.layers.quantized import Int8BlockDiagonalLinear, Int8Linear, Int8TiedOutput
 from griffin.model import TiedOutput
 from griffin.ops.matvec.cpu import WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
 from griffin.ops.matvec.isa import FAST_DOTS
@@ -88,19 +88,23 @@ class MatvecLinear(nn.Module):
 
 
 class MatvecBlockDiagonal(nn.Module):
-    """A :class:`griffin.layers.BlockDiagonalLinear` (the RG-LRU's gates; float32 or bfloat16 weights, shared)
-    through :func:`griffin.ops.matvec.cpu.block_diagonal_cpu`: each block's matrix read once per row, in place of
-    a batched matmul over the blocks."""
+    """A :class:`griffin.layers.BlockDiagonalLinear` (the RG-LRU's gates; float32 or bfloat16 weights, shared), or its
+    int8 version (:class:`griffin.layers.quantized.Int8BlockDiagonalLinear`, with its scales), through
+    :func:`griffin.ops.matvec.cpu.block_diagonal_cpu`: each block's matrix read once per row, in place of a batched
+    matmul over the blocks."""
 
-    def __init__(self, layer: BlockDiagonalLinear) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.w = layer.w
         self.register_buffer("bias", layer.b.detach().float().contiguous(), persistent=False)
+        scale = getattr(layer, "w_scale", None)
+        self.register_buffer("w_scale", None if scale is None else scale.detach().float().contiguous(),
+                             persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.griffin.block_diagonal.default(x, self.w, self.bias)
-        return block_diagonal_cpu(x, self.w, self.bias)
+            return torch.ops.griffin.block_diagonal.default(x, self.w, self.bias, self.w_scale)
+        return block_diagonal_cpu(x, self.w, self.bias, self.w_scale)
 
     def extra_repr(self) -> str:
         blocks, d_in, d_out = self.w.shape
@@ -108,10 +112,10 @@ class MatvecBlockDiagonal(nn.Module):
 
 
 def can_block_diagonal(layer: nn.Module) -> bool:
-    """Whether :class:`MatvecBlockDiagonal` computes ``layer``: block-diagonal gates with contiguous float32 or
-    bfloat16 CPU weights."""
-    return (isinstance(layer, BlockDiagonalLinear) and layer.w.device.type == "cpu" and layer.w.is_contiguous()
-            and layer.w.dtype in (torch.float32, torch.bfloat16))
+    """Whether :class:`MatvecBlockDiagonal` computes ``layer``: block-diagonal gates with contiguous float32, bfloat16
+    or int8 CPU weights."""
+    return (isinstance(layer, (BlockDiagonalLinear, Int8BlockDiagonalLinear)) and layer.w.device.type == "cpu"
+            and layer.w.is_contiguous() and layer.w.dtype in (torch.float32, torch.bfloat16, torch.int8))
 
 
 KERNEL_INT8_ROWS = 8  # up to this many rows, int8 layers decode through the kernel (where the host has vpdpbusd)

@@ -44,15 +44,19 @@ from griffin.ops.decode_step import (
 )
 
 
-def _gate(gate: nn.Module) -> tuple[Tensor, Tensor] | None:
-    """A block-diagonal gate's (w (H, Din, Dout), b (H, Dout)) if the kernel reads them (float32 or bfloat16, CPU,
-    contiguous), whether the layer or its matvec swap (:class:`griffin.inference.matvec.MatvecBlockDiagonal`)."""
+def _gate(gate: nn.Module) -> tuple[Tensor, ...] | None:
+    """A block-diagonal gate's (w (H, Din, Dout), b (H, Dout)), or (w, b, scale (H, Dout)) for int8 w, if the kernel
+    reads them (float32 or bfloat16, or int8 with float32 scales; CPU, contiguous), whether the layer or its matvec
+    swap (:class:`griffin.inference.matvec.MatvecBlockDiagonal`)."""
     w, b = getattr(gate, "w", None), getattr(gate, "b", getattr(gate, "bias", None))
+    scale = getattr(gate, "w_scale", None)
     if not isinstance(w, Tensor) or not isinstance(b, Tensor) or w.dim() != 3 or w.shape[1] != w.shape[2]:
         return None
-    if any(t.dtype not in STEP_DTYPES or t.device.type != "cpu" or not t.is_contiguous() for t in (w, b)):
+    if (b.dtype not in STEP_DTYPES or w.dtype not in (*STEP_DTYPES, torch.int8)
+            or (w.dtype == torch.int8) != isinstance(scale, Tensor)
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (w, b))):
         return None
-    return w, b
+    return (w, b) if scale is None else (w, b, scale.float())
 
 
 def _side_by_side(group: nn.Module, x: Tensor) -> Tensor:

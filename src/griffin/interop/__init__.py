@@ -82,10 +82,11 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, **
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 0,
-                        dtype: torch.dtype | str | None = None) -> CausalLM:
-    """Load a checkpoint (any format), quantise its weights to int8 (:func:`griffin.quantize.quantize_int8`) and write
-    it to ``dst`` in griffin's format: int8 matrices and their float32 scales in ``model.safetensors``, loadable by
-    :func:`load_pretrained` without quantising again. Returns the quantised model."""
+                        dtype: torch.dtype | str | None = None, gates: bool = True) -> CausalLM:
+    """Load a checkpoint (any format), quantise its weights to int8 (:func:`griffin.quantize.quantize_int8`; ``gates``:
+    the RG-LRU's gates too) and write it to ``dst`` in griffin's format: int8 matrices and their float32 scales in
+    ``model.safetensors``, loadable by :func:`load_pretrained` without quantising again. Returns the quantised
+    model."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"the quantised checkpoint would overwrite its source {src}: give another directory")
@@ -94,7 +95,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 0,
     if done is not None:
         raise ValueError(f"{src} is already quantised ({done['method']}, group_size={done['group_size']}): quantise "
                          "the float checkpoint it came from")
-    model = quantize_int8(model, group_size, inplace=True)
+    model = quantize_int8(model, group_size, inplace=True, gates=gates)
     save_pretrained(model, dst)
     return model
 

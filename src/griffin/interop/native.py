@@ -11,7 +11,13 @@ from torch import Tensor
 from griffin.config import ModelConfig
 from griffin.io import read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
-from griffin.quantize import float32_scales_, int8_structure_, quantization_of, quantization_of_state
+from griffin.quantize import (
+    float32_scales_,
+    int8_gates_of_state,
+    int8_structure_,
+    quantization_of,
+    quantization_of_state,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -58,14 +64,14 @@ def build_model(config: ModelConfig, state: dict[str, Tensor], source: str, dtyp
     """The model of ``config`` holding ``state`` (int8 layers where the state has int8 weights and their scales,
     :mod:`griffin.quantize`), in ``dtype`` (default: the state's floating dtype)."""
     try:
-        quantized = quantization_of_state(state)
+        quantized, gates = quantization_of_state(state), int8_gates_of_state(state)
     except ValueError as err:
         raise CheckpointError(f"cannot load {source}: {err}") from None
     with torch.device("meta"):
         model = CausalLM(config)
     if quantized is not None:
         try:
-            int8_structure_(model, quantized["group_size"])
+            int8_structure_(model, quantized["group_size"], gates)
         except ValueError as err:
             raise CheckpointError(f"cannot load {source}: {err}") from None
     model = model.to_empty(device="cpu")

@@ -1,5 +1,6 @@
 """Layers with weight-only int8 weights (Section 5: decoding reads every weight once per token, so a byte per weight
-instead of two or four is that much less time): the linear layer, the embedding and the output layer tied to it.
+instead of two or four is that much less time): the linear layer, the embedding and the output layer tied to it, and
+the RG-LRU's block-diagonal gates.
 
 Each holds ``weight`` (int8, the float layer's shape) and ``weight_scale`` (float32, one per output row and group of
 inputs; :mod:`griffin.ops.matvec.reference`), so a quantised model's state-dict names are the float model's plus one
@@ -14,7 +15,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from griffin.ops.matvec import check_group_size, dequantize_int8, groups_of, matvec_ref, quantize_int8
+from griffin.layers.rg_lru import BlockDiagonalLinear
+from griffin.ops.matvec import (
+    check_group_size,
+    dequantize_blocks_int8,
+    dequantize_int8,
+    groups_of,
+    matvec_ref,
+    quantize_blocks_int8,
+    quantize_int8,
+)
 
 
 class Int8Linear(nn.Module):
@@ -106,3 +116,45 @@ class Int8TiedOutput(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return matvec_ref(x, [self.weight], [self.weight_scale], out_dtype=x.dtype)
 
+
+
+class Int8BlockDiagonalLinear(nn.Module):
+    """The RG-LRU's block-diagonal gates (:class:`griffin.layers.BlockDiagonalLinear`, Section 2.4) with int8 weights:
+    ``w`` (H, Din, Dout) int8 in the float layer's layout and ``w_scale`` (H, Dout) float32, one scale per block and
+    output column (:func:`griffin.ops.matvec.quantize_blocks_int8`: a block's Din inputs are few, 256 at 2B, so no
+    groups); the bias ``b`` stays in the model's dtype. The forward pass is the reference: dequantise, then the
+    blocks' matmul in float32, returned in the input's dtype."""
+
+    def __init__(self, blocks: int, in_features: int, out_features: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if in_features % blocks or out_features % blocks:
+            raise ValueError(f"widths {in_features} -> {out_features} are not divisible by blocks={blocks}")
+        self.blocks = blocks
+        shape = (blocks, in_features // blocks, out_features // blocks)
+        self.register_buffer("w", torch.zeros(shape, dtype=torch.int8, device=device))
+        self.register_buffer("w_scale", torch.ones(blocks, shape[2], device=device))
+        self.b = nn.Parameter(torch.zeros(blocks, shape[2], dtype=dtype, device=device))
+
+    @classmethod
+    def from_float(cls, layer: BlockDiagonalLinear) -> Int8BlockDiagonalLinear:
+        """The int8 gates closest to ``layer`` (its bias shared)."""
+        H, Din, Dout = layer.w.shape
+        q = cls(H, H * Din, H * Dout, layer.w.dtype, "meta")
+        q.w, q.w_scale = quantize_blocks_int8(layer.w)
+        q.b = layer.b
+        return q
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The block-diagonal weights (H, Din, Dout) in ``dtype`` (a new tensor)."""
+        return dequantize_blocks_int8(self.w, self.w_scale, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        H, Din, _ = self.w.shape
+        xb = x.reshape(-1, H, Din).transpose(0, 1).float()  # (blocks, N, in/blocks)
+        y = torch.baddbmm(self.b.float()[:, None, :], xb, self.dequantize())
+        return y.transpose(0, 1).reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        blocks, d_in, d_out = self.w.shape
+        return f"blocks={blocks}, in_features={blocks * d_in}, out_features={blocks * d_out}"

@@ -37,6 +37,7 @@ from griffin.ops.matvec.cpu import (
     PRANGE_ONLY,
     MatvecWeights,
     block_product,
+    gate_arrays,
     prepare_rows,
     rows_buffers,
     rows_task,
@@ -156,7 +157,7 @@ def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """One token of the recurrent block between its projections (Figure 2c) for the channels of gate block ``blk``,
     for y_u (B, 2R) = [y, u] the rows of its two branches: the Conv1D step on u (``conv_state`` (B, K-1, R) holds the
     previous inputs and is shifted by one), the block-diagonal gates on its output, the RG-LRU step on ``h`` (B, R)
@@ -190,8 +191,8 @@ def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b
             past = conv_state[b, K - 2, lo:hi]
             for i in range(Din):
                 past[i] = narrow(widen(u_row[i]), like)
-    block_product(xs, 0, gx_w, gx_b, blk, gx, 0, w_row)  # the gates: this block's (Din, Dout) matrices
-    block_product(xs, 0, ga_w, ga_b, blk, ga, 0, w_row)
+    block_product(xs, 0, gx_w, gx_s, gx_b, blk, gx, 0, w_row)  # the gates: this block's (Din, Dout) matrices
+    block_product(xs, 0, ga_w, ga_s, ga_b, blk, ga, 0, w_row)
     for b in range(B):  # the RG-LRU step (Section 2.4) and the product with the GeLU branch
         h_row, out_row, scale_row = h[b, lo : lo + Dout], out[b, lo : lo + Dout], log_a_scale[lo : lo + Dout]
         gx_row, ga_row, x_row, y_row = gx[b], ga[b], xs[b], gelu_y[b]  # (slices: LLVM sees consecutive indices)
@@ -205,11 +206,11 @@ def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b
 
 
 @numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
-def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """:func:`_recurrent_head` of every gate block, a task each."""
     for blk in prange(gx_w.shape[0]):
-        _recurrent_head(np.int64(blk), y_u, conv_state, conv_w, conv_b, gx_w, gx_b, ga_w, ga_b, log_a_scale, h, exact,
-                        out)
+        _recurrent_head(np.int64(blk), y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale,
+                        h, exact, out)
 
 
 def _check_dtype(name: str, t: Tensor) -> None:
@@ -371,28 +372,35 @@ def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segment
 @dataclass
 class RecurrentWeights:
     """A recurrent block's weights as :func:`recurrent_step` reads them, prepared once (views, no copies): the Conv1D's
-    w (K, R) and b (R,), the RG-LRU gates' block-diagonal w (H, R/H, R/H) and b (H, R/H), and log_a_scale =
-    -c softplus(Lambda) (R,) float32, so that log a_t = log_a_scale * r_t (Section 2.4)."""
+    w (K, R) and b (R,), the RG-LRU gates' block-diagonal w (H, R/H, R/H) (float, or int8 with float32 scales (H,
+    R/H); float gates have an empty one) and b (H, R/H), and log_a_scale = -c softplus(Lambda) (R,) float32, so that
+    log a_t = log_a_scale * r_t (Section 2.4)."""
 
     conv_w: np.ndarray
     conv_b: np.ndarray
     gate_x_w: np.ndarray
     gate_x_b: np.ndarray
+    gate_x_s: np.ndarray
     gate_a_w: np.ndarray
     gate_a_b: np.ndarray
+    gate_a_s: np.ndarray
     log_a_scale: np.ndarray
     width: int
 
     @classmethod
-    def prepare(cls, conv_w: Tensor, conv_b: Tensor, gate_x: tuple[Tensor, Tensor], gate_a: tuple[Tensor, Tensor],
+    def prepare(cls, conv_w: Tensor, conv_b: Tensor, gate_x: tuple[Tensor, ...], gate_a: tuple[Tensor, ...],
                 a_param: Tensor, c: float) -> RecurrentWeights:
+        """From the gates' (w, b), or (w, b, scale) for int8 w
+        (:class:`griffin.layers.quantized.Int8BlockDiagonalLinear`)."""
         K, R = conv_w.shape
-        tensors = {"conv_w": conv_w, "conv_b": conv_b, "gate_x_w": gate_x[0], "gate_x_b": gate_x[1],
-                   "gate_a_w": gate_a[0], "gate_a_b": gate_a[1]}
+        tensors = {"conv_w": conv_w, "conv_b": conv_b, "gate_x_b": gate_x[1], "gate_a_b": gate_a[1]}
         for name, t in tensors.items():
             _check_dtype(name, t)
             if not t.is_contiguous():
                 raise ValueError(f"recurrent_step: {name} must be contiguous")
+        if gate_x[0].dtype != gate_a[0].dtype or gate_x[0].dim() != 3:
+            raise ValueError(f"recurrent_step: the gates' weights must be (H, R/H, R/H) of one dtype, got "
+                             f"{gate_x[0].dtype} {tuple(gate_x[0].shape)} and {gate_a[0].dtype}")
         H = gate_x[0].shape[0]
         if (conv_b.shape != (R,) or H * (R // H) != R or gate_x[0].shape != (H, R // H, R // H)
                 or gate_a[0].shape != gate_x[0].shape or gate_x[1].shape != (H, R // H)
@@ -401,13 +409,16 @@ class RecurrentWeights:
                              f"{tuple(gate_x[0].shape)} / {tuple(gate_a[0].shape)} (need (H, {R}/H, {R}/H)), "
                              f"biases {tuple(gate_x[1].shape)} / {tuple(gate_a[1].shape)}, a_param "
                              f"{tuple(a_param.shape)}")
+        gates = [gate_arrays(g[0], g[2] if len(g) > 2 else None) for g in (gate_x, gate_a)]
         log_a_scale = (-c * torch.nn.functional.softplus(a_param.detach().float())).contiguous()
-        return cls(*(storage(t.detach()) for t in tensors.values()), log_a_scale.numpy(), R)
+        return cls(storage(conv_w.detach()), storage(conv_b.detach()), gates[0][0], storage(gate_x[1].detach()),
+                   gates[0][1], gates[1][0], storage(gate_a[1].detach()), gates[1][1], log_a_scale.numpy(), R)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """(conv_w, conv_b, gate_x_w, gate_x_b, gate_a_w, gate_a_b, log_a_scale), as the kernels take them."""
-        return (self.conv_w, self.conv_b, self.gate_x_w, self.gate_x_b, self.gate_a_w, self.gate_a_b,
-                self.log_a_scale)
+        """(conv_w, conv_b, gate_x_w, gate_x_b, gate_x_s, gate_a_w, gate_a_b, gate_a_s, log_a_scale), as the kernels
+        take them."""
+        return (self.conv_w, self.conv_b, self.gate_x_w, self.gate_x_b, self.gate_x_s, self.gate_a_w, self.gate_a_b,
+                self.gate_a_s, self.log_a_scale)
 
 
 def rms_norm_step(x: Tensor, scale: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -624,7 +635,8 @@ def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, re
     blocks = rec[2].shape[0]
     blk = claim(c, 2, worker, blocks)
     while blk < blocks:
-        _recurrent_head(blk, y_u, conv_state, rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], h, exact, hidden)
+        _recurrent_head(blk, y_u, conv_state, rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7], rec[8], h,
+                        exact, hidden)
         finish(c, 2, worker)
         blk = claim(c, 2, worker, blocks)
     wait(c, 2, blocks)

@@ -9,10 +9,13 @@ from griffin.ops.matvec.reference import (
     MIN_GROUP,
     QMAX,
     check_group_size,
+    dequantize_blocks_int8,
     dequantize_int8,
     groups_of,
     matvec_ref,
+    quantize_blocks_int8,
     quantize_int8,
 )
 
-__all__ = ["MIN_GROUP", "QMAX", "check_group_size", "dequantize_int8", "groups_of", "matvec_ref", "quantize_int8"]
+__all__ = ["MIN_GROUP", "QMAX", "check_group_size", "dequantize_blocks_int8", "dequantize_int8", "groups_of",
+           "matvec_ref", "quantize_blocks_int8", "quantize_int8"]

@@ -20,7 +20,7 @@ instructions; where the host has Intel's AMX tiles (:data:`griffin.ops.matvec.is
 go through them instead (:func:`_tile_unit_task`: 16 weight rows against the high and low bytes of 8 input
 rows per ``tdpbsud``, the same exact sums). The one-row kernels ask for the weights :data:`PREFETCH_BYTES` ahead.
 The RG-LRU's block-diagonal gates have their own kernel (:func:`block_diagonal_cpu`), which reads each block once
-per row.
+per row (float32, bfloat16 or int8 weights).
 
 Numerics: float32 products and sums (reassociated: the order differs from ``F.linear``'s by rounding only; exact
 int64 sums for int8 weights on the instruction path), then the scale of each group, the bias, and the cast to the
@@ -501,52 +501,100 @@ def vector_sums(weight: Tensor, groups: int) -> Tensor:
     return weight.detach().reshape(n, groups, group)[..., : group - group % VECTOR].sum(-1, dtype=torch.int32)
 
 
-@numba.njit(inline="always", fastmath=True)
-def block_product(x, x0, w, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+def block_product(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
     """Block h of a block-diagonal product for every row b: out[b, o0 + o] = bias[h, o] + sum_i x[b, x0 + i]
-    w[h, i, o], x and w as stored (float32, or bfloat16 bits), out float32, w_row a float32 scratch of Dout. Each row
-    of the block's (Din, Dout) matrix is widened once for all the rows of x and added, times their entries, to their
-    output rows (vectorised over Dout)."""
-    B = x.shape[0]
-    Din, Dout = w.shape[1], w.shape[2]
-    for b in range(B):
-        acc = out[b, o0 : o0 + Dout]
-        for o in range(Dout):
-            acc[o] = widen(bias[h, o])
-    for i in range(Din):
-        for o in range(Dout):
-            w_row[o] = widen(w[h, i, o])
-        for b in range(B):
-            xi, acc = widen(x[b, x0 + i]), out[b, o0 : o0 + Dout]
+    w[h, i, o], x and w as stored (float32, or bfloat16 bits; w also int8, times ``scale`` (H, Dout) float32, one
+    per block and output column: the sum over i is scaled once), out float32, w_row a float32 scratch of Dout. Each
+    row of the block's (Din, Dout) matrix is widened once for all the rows of x and added, times their entries, to
+    their output rows (vectorised over Dout). Numba only."""
+    raise NotImplementedError
+
+
+@numba.njit(inline="always", fastmath=True)
+def _add_row(x, x0, i, w_row, out, o0):  # type: ignore[no-untyped-def]
+    """out[b, o0 + o] += x[b, x0 + i] w_row[o] for every row b of x (vectorised over o)."""
+    for b in range(x.shape[0]):
+        xi, acc = widen(x[b, x0 + i]), out[b, o0 : o0 + w_row.shape[0]]
+        for o in range(w_row.shape[0]):
+            acc[o] += xi * w_row[o]
+
+
+@overload(block_product, inline="always")
+def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+    if w.dtype == types.int8:
+        def int8(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+            Din, Dout = w.shape[1], w.shape[2]
+            for b in range(x.shape[0]):
+                for o in range(Dout):
+                    out[b, o0 + o] = 0.0
+            for i in range(Din):
+                for o in range(Dout):
+                    w_row[o] = np.float32(w[h, i, o])
+                _add_row(x, x0, i, w_row, out, o0)
+            for b in range(x.shape[0]):
+                acc = out[b, o0 : o0 + Dout]
+                for o in range(Dout):
+                    acc[o] = widen(bias[h, o]) + acc[o] * scale[h, o]
+
+        return int8
+
+    def stored(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+        Din, Dout = w.shape[1], w.shape[2]
+        for b in range(x.shape[0]):
             for o in range(Dout):
-                acc[o] += xi * w_row[o]
+                out[b, o0 + o] = widen(bias[h, o])
+        for i in range(Din):
+            for o in range(Dout):
+                w_row[o] = widen(w[h, i, o])
+            _add_row(x, x0, i, w_row, out, o0)
+
+    return stored
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _block_diagonal_kernel(x, w, bias, out):  # type: ignore[no-untyped-def]
+def _block_diagonal_kernel(x, w, scale, bias, out):  # type: ignore[no-untyped-def]
     """out[b, h Dout + o] = sum_i x[b, h Din + i] w[h, i, o] + bias[h, o], the RG-LRU's block-diagonal gates
-    (Section 2.4): x (B, H Din) float32 (or bfloat16 bits), w (H, Din, Dout) as stored (float32 or bfloat16 bits),
-    bias (H, Dout) float32, out (B, H Dout) float32. A task per block (:func:`block_product`)."""
+    (Section 2.4): x (B, H Din) float32 (or bfloat16 bits), w (H, Din, Dout) as stored (float32 or bfloat16 bits, or
+    int8 with ``scale`` (H, Dout)), bias (H, Dout) float32, out (B, H Dout) float32. A task per block
+    (:func:`block_product`)."""
     H, Din, Dout = w.shape
     for h in prange(H):
-        block_product(x, h * Din, w, bias, h, out, h * Dout, np.empty(Dout, np.float32))
+        block_product(x, h * Din, w, scale, bias, h, out, h * Dout, np.empty(Dout, np.float32))
 
 
-def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+GATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def gate_arrays(weight: Tensor, scale: Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    """The block-diagonal weights (H, Din, Dout) and their scales as :func:`block_product` reads them: float32 or
+    bfloat16 weights (no scale: an empty array), or int8 with float32 ``scale`` (H, Dout); CPU, contiguous."""
+    H, _, Dout = weight.shape
+    if weight.dtype not in GATE_DTYPES or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError(f"block-diagonal gates must be contiguous float32, bfloat16 or int8 CPU weights, got "
+                         f"{weight.dtype} on {weight.device}")
+    if (weight.dtype == torch.int8) != (scale is not None):
+        raise ValueError("block-diagonal gates: int8 weights need their scales, float weights have none")
+    if scale is None:
+        return storage(weight.detach()), np.empty((0, 0), np.float32)
+    if scale.shape != (H, Dout) or scale.dtype != torch.float32 or scale.device.type != "cpu":
+        raise ValueError(f"int8 block-diagonal gates need float32 CPU scales ({H}, {Dout}), got {scale.dtype} "
+                         f"{tuple(scale.shape)} on {scale.device}")
+    return storage(weight.detach()), scale.detach().contiguous().numpy()
+
+
+def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor, scale: Tensor | None = None) -> Tensor:
     """x (..., H Din) times the block-diagonal ``weight`` (H, Din, Dout) (float32 or bfloat16, as
-    :class:`griffin.layers.BlockDiagonalLinear` holds it) plus ``bias`` (H, Dout) float32: (..., H Dout) in x's
-    dtype."""
+    :class:`griffin.layers.BlockDiagonalLinear` holds it, or int8 with its ``scale`` (H, Dout), as
+    :class:`griffin.layers.quantized.Int8BlockDiagonalLinear` does) plus ``bias`` (H, Dout) float32: (..., H Dout)
+    in x's dtype."""
     H, Din, Dout = weight.shape
     if x.shape[-1] != H * Din:
         raise ValueError(f"block_diagonal_cpu: input width {x.shape[-1]} != the weights' {H} x {Din}")
-    w = weight.detach()
-    if w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" or not w.is_contiguous():
-        raise ValueError(f"block_diagonal_cpu reads contiguous float32 or bfloat16 CPU weights, got {w.dtype} on "
-                         f"{w.device}")
+    w, s = gate_arrays(weight, scale)
     flat = x.reshape(-1, H * Din)
     out = torch.empty(flat.shape[0], H * Dout, dtype=torch.float32)
     if flat.shape[0]:
-        _block_diagonal_kernel(_widen_view(flat), storage(w), bias.numpy(), out.numpy())
+        _block_diagonal_kernel(_widen_view(flat), w, s, bias.numpy(), out.numpy())
     return out.reshape(*x.shape[:-1], H * Dout).to(x.dtype)
 
 
@@ -827,10 +875,10 @@ def _(x: Tensor, weights: list[Tensor], tiles: Tensor, scale: Tensor, bias: Tens
     return x.new_empty(*x.shape[:-1], scale.shape[0])
 
 
-_LIB.define("block_diagonal(Tensor x, Tensor weight, Tensor bias) -> Tensor")
+_LIB.define("block_diagonal(Tensor x, Tensor weight, Tensor bias, Tensor? scale=None) -> Tensor")
 _LIB.impl("block_diagonal", block_diagonal_cpu, "CPU")
 
 
 @torch.library.register_fake("griffin::block_diagonal", lib=_LIB)
-def _(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+def _(x: Tensor, weight: Tensor, bias: Tensor, scale: Tensor | None = None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0] * weight.shape[2])

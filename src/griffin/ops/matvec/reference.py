@@ -59,6 +59,24 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     return (q.float().reshape(n, g, k // g) * scale.float()[..., None]).reshape(n, k).to(dtype)
 
 
+def quantize_blocks_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(q int8 (H, Din, Dout), scale float32 (H, Dout)) of block-diagonal weights (H, Din, Dout) (the RG-LRU's gates,
+    :class:`griffin.layers.BlockDiagonalLinear`): :func:`quantize_int8` of each block's (Dout, Din) matrix with one
+    scale per output column, q stored in the blocks' own layout."""
+    if weight.dim() != 3 or not weight.is_floating_point():
+        raise ValueError(f"quantize_blocks_int8 takes floating (blocks, in, out) weights, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    H, Din, Dout = weight.shape
+    q, scale = quantize_int8(weight.detach().transpose(1, 2).reshape(H * Dout, Din))
+    return q.reshape(H, Dout, Din).transpose(1, 2).contiguous(), scale.reshape(H, Dout)
+
+
+def dequantize_blocks_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The block-diagonal weights (H, Din, Dout) q * scale (one per block and output column) in ``dtype`` (the
+    product computed in float32)."""
+    return (q.float() * scale.float()[:, None, :]).to(dtype)
+
+
 INT16_MAX = 32767
 
 
