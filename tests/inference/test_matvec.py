@@ -97,17 +97,24 @@ def test_swap_fuses_groups_and_shares_weights(gen):
     assert isinstance(model.blocks[2].temporal_block.qkv, LinearGroup)  # the model itself is untouched
 
 
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("blocks,inner,outer", [(3, 5, 7), (4, 40, 20), (1, 33, 33)])
-def test_block_diagonal_kernel_equals_the_layer(gen, dtype, blocks, inner, outer):
+def test_block_diagonal_kernel_equals_the_layer(gen, dtype, blocks, inner, outer, int8):
     """The gates' kernel against BlockDiagonalLinear's own batched matmul, odd block shapes (CG-LRU's gates have
     half as many outputs), several rows and leading dimensions: float32 to rounding; bfloat16 within one bfloat16
-    rounding of the output (both sum in float32, then round)."""
+    rounding of the output (both sum in float32, then round). int8 gates (one scale per block and output column):
+    the kernel's int8 path (each output's sum scaled once) against the int8 layer's reference (the weights
+    dequantised, then the float32 matmul), alike."""
     layer = BlockDiagonalLinear(blocks * inner, blocks * outer, blocks)
     with torch.no_grad():
         layer.w.copy_(torch.randn(layer.w.shape, generator=gen) / inner**0.5)
         layer.b.copy_(torch.randn(layer.b.shape, generator=gen))
     layer = layer.to(dtype)
+    if int8:
+        float_w, layer = layer.w, Int8BlockDiagonalLinear.from_float(layer)
+        assert layer.w.dtype == torch.int8 and layer.w_scale.shape == (blocks, outer)
+        assert (layer.dequantize() - float_w.float()).abs().max() <= layer.w_scale.max() / 2 * (1 + 1e-6)
     fast = MatvecBlockDiagonal(layer)
     for shape in [(1, 1), (3, 1), (2, 5)]:
         x = torch.randn(*shape, blocks * inner, generator=gen).to(dtype)
@@ -119,35 +126,13 @@ def test_block_diagonal_kernel_equals_the_layer(gen, dtype, blocks, inner, outer
             assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6).all()
     with pytest.raises(ValueError, match=f"input width {blocks * inner + 1}"):
         fast(torch.randn(1, blocks * inner + 1).to(dtype))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("blocks,inner,outer", [(3, 5, 7), (4, 40, 20), (1, 33, 33)])
-def test_int8_block_diagonal_kernel_equals_the_layer(gen, dtype, blocks, inner, outer):
-    """int8 gates (one scale per block and output column): the kernel's int8 path (each output's sum scaled once)
-    against the layer's reference (the weights dequantised, then the float32 matmul), as the float path is tested."""
-    layer = BlockDiagonalLinear(blocks * inner, blocks * outer, blocks)
-    with torch.no_grad():
-        layer.w.copy_(torch.randn(layer.w.shape, generator=gen) / inner**0.5)
-        layer.b.copy_(torch.randn(layer.b.shape, generator=gen))
-    q = Int8BlockDiagonalLinear.from_float(layer.to(dtype))
-    assert q.w.dtype == torch.int8 and q.w_scale.shape == (blocks, outer)
-    assert (q.dequantize() - layer.w.float()).abs().max() <= q.w_scale.max() / 2 * (1 + 1e-6)  # half a step
-    fast = MatvecBlockDiagonal(q)
-    for shape in [(1, 1), (3, 1), (2, 5)]:
-        x = torch.randn(*shape, blocks * inner, generator=gen).to(dtype)
-        got, ref = fast(x), q(x)
-        assert got.shape == ref.shape and got.dtype == dtype
-        if dtype == torch.float32:
-            assert (got - ref).abs().max() <= 2e-6 * (1 + ref.abs().max())
-        else:
-            assert ((got.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-6).all()
-    with pytest.raises(ValueError, match="int8 weights need their scales"):
-        block_diagonal_cpu(x, q.w, fast.bias)
-    with pytest.raises(ValueError, match=rf"float32 CPU scales \({blocks}, {outer}\)"):
-        block_diagonal_cpu(x, q.w, fast.bias, q.w_scale[:, :-1])
-    with pytest.raises(ValueError, match="float weights have none"):
-        block_diagonal_cpu(x, layer.w, fast.bias, q.w_scale)
+    if int8:
+        with pytest.raises(ValueError, match="int8 weights need their scales"):
+            block_diagonal_cpu(x, layer.w, fast.bias)
+        with pytest.raises(ValueError, match=rf"float32 CPU scales \({blocks}, {outer}\)"):
+            block_diagonal_cpu(x, layer.w, fast.bias, layer.w_scale[:, :-1])
+        with pytest.raises(ValueError, match="float weights have none"):
+            block_diagonal_cpu(x, float_w, fast.bias, layer.w_scale)
 
 
 def test_groups_keep_state_dict_names_and_follow_swaps(gen):
