@@ -232,6 +232,25 @@ MUTATIONS = [
         "_tile_rows(high, low, packed, steps, weights[j], r0, c0, rows, sums, scale, bias, config, out)",
         ("tests/ops/test_matvec.py::test_several_rows_never_read_past_a_matrix",),
     ),
+    Mutation(
+        "int8-gates-unscaled",
+        "int8 RG-LRU gates are summed without their scales in the decode kernels (every gate's input off by the "
+        "factor 127 / max |w| of its column)",
+        "src/griffin/ops/matvec/cpu.py",
+        "acc[o] = widen(bias[h, o]) + acc[o] * scale[h, o]",
+        "acc[o] = widen(bias[h, o]) + acc[o]",
+        ("tests/inference/test_matvec.py::test_block_diagonal_kernel_equals_the_layer",
+         "tests/ops/test_decode_step.py::test_recurrent_step_equals_the_block"),
+    ),
+    Mutation(
+        "int8-gates-float-on-load",
+        "an int8 checkpoint's gates load into float layers (the int8 values read as floats: gates off by the "
+        "factor 1 / scale)",
+        "src/griffin/quantize.py",
+        "            elif full in gates and isinstance(child, BlockDiagonalLinear):",
+        "            elif False:",
+        ("tests/test_quantize.py::test_int8_round_trips_through_save_and_load",),
+    ),
 ]
 
 
