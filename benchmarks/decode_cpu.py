@@ -32,6 +32,8 @@ each int8 run of several (without AMX), with the kernels prefetching other dista
 ``--split`` times the weight matmuls inside a step, the same calls alone, and the step without them.
 ``--int8-beside-bf16`` also times an int8 copy of each bfloat16 model beside it, their steps in turn: the int8 /
 bfloat16 ratio of one run sees one phase of the host (the int8 stage's ratio compares runs minutes apart).
+``--turn-steps K`` makes each turn K steps of one run, of which the first is left out: a step that follows another
+model's steps may find less of its own weights in the last-level cache than one that follows its own.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -111,29 +113,36 @@ def timed_steps(loop: Callable[[Callable[[], None]], None], warmup: int, steps: 
 
 def interleaved_steps(models: list[CausalLM], prompts: torch.Tensor, warmup: int, steps: int,
                       compile: bool, read: torch.Tensor | None = None,
-                      settings: list[Callable[[], AbstractContextManager]] | None = None
+                      settings: list[Callable[[], AbstractContextManager]] | None = None, turn: int = 1
                       ) -> tuple[list[list[float]], list[float]]:
-    """Seconds per decode step of each model, their steps taken in turn (a step of the first, then of the second, ...)
-    so that the host's slow and fast phases fall on all of them alike; the first ``warmup`` steps left out. With
-    ``settings``, each model's steps run inside its context (the same model under two settings). With ``read`` (a
-    float32 tensor), each round of steps is followed by a timed ``sum`` over it: the read rate in the same phases as
-    the steps (bytes/s, one per timed round)."""
-    streams = [iter(generate_stream(m, prompts, warmup + steps + 1, temperature=0.0, compile=compile)) for m in models]
+    """Seconds per decode step of each model, their steps taken in turn (``turn`` steps of the first, then of the
+    second, ...) so that the host's slow and fast phases fall on all of them alike; the first ``warmup`` rounds left
+    out. With ``turn`` > 1 the first step of each turn is left out too (it follows the other models' steps, which have
+    taken the caches' contents) and the others are timed, until ``steps`` are. With ``settings``, each model's steps
+    run inside its context (the same model under two settings). With ``read`` (a float32 tensor), each timed round is
+    followed by a timed ``sum`` over it: the read rate in the same phases as the steps (bytes/s, one per round)."""
+    if turn < 1:
+        raise ValueError(f"turn={turn} must be >= 1")
+    kept = turn - 1 if turn > 1 else 1  # timed steps per turn
+    rounds = warmup + -(-steps // kept)
+    streams = [iter(generate_stream(m, prompts, rounds * turn + 1, temperature=0.0, compile=compile)) for m in models]
     settings = settings or [nullcontext] * len(models)
     times: list[list[float]] = [[] for _ in models]
     rates: list[float] = []
     for stream, setting in zip(streams, settings, strict=True):
         with setting():
             next(stream)  # the prompt and the first token
-    for i in range(warmup + steps):
+    for i in range(rounds):
         for stream, setting, out in zip(streams, settings, times, strict=True):
             with setting():
-                start = time.perf_counter()
-                next(stream)
-                out.append(time.perf_counter() - start)
+                for j in range(turn):
+                    start = time.perf_counter()
+                    next(stream)
+                    if i >= warmup and (turn == 1 or j > 0):
+                        out.append(time.perf_counter() - start)
         if read is not None and i >= warmup:
             rates.append(read.numel() * read.element_size() / read_seconds(read))
-    return [t[warmup:] for t in times], rates
+    return [t[:steps] for t in times], rates
 
 
 BESIDE = "griffin int8, steps in turn with bf16"  # the path of --int8-beside-bf16's rows
@@ -354,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8-beside-bf16", action="store_true",
                    help="also time an int8 copy of each bfloat16 model (quantised, not in place) with its steps taken "
                         "in turn with the bfloat16 model's, so that their ratio sees the same phases of the host")
+    p.add_argument("--turn-steps", type=int, default=1,
+                   help="runs timed in turn (--int8-beside-bf16, --unfused, ...) take this many steps each turn, the "
+                        "first of each turn left out when more than 1 (it follows the other runs' steps)")
     p.add_argument("--no-tiles-too", action="store_true",
                    help="also time each int8 run of several rows through vpdpbusd instead of the tile unit (AMX; on "
                         "a host that has it), a step of each in turn")
@@ -372,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
     if args.threads < 1:
         raise SystemExit(f"--threads={args.threads} must be >= 1")
+    if args.turn_steps < 1:
+        raise SystemExit(f"--turn-steps={args.turn_steps} must be >= 1")
     torch.set_num_threads(args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     configs = {name: ModelConfig.from_preset(name) for name in args.models}  # unknown names fail here, named
@@ -445,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
                     untiled = partial(module_setting, matvec_cpu, "FAST_TILES", frozenset())
                     runs.append(("griffin, no tiles", model, untiled))
                 times, rates = interleaved_steps([m for _, m, _ in runs], prompts_of[b], args.warmup, args.steps,
-                                                 args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs])
+                                                 args.compile, read_tensor(args.read_gib / 8), [s for _, _, s in runs],
+                                                 args.turn_steps)
                 for (path, m, _), t in zip(runs, times, strict=True):
                     if path == BESIDE:
                         record(t, name, path, "int8", b, weight_bytes(m), rates)

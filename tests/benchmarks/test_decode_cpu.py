@@ -85,3 +85,30 @@ def test_int8_beside_bf16_is_timed_in_turn_with_it(tmp_path):
         assert int8["vs_bf16"] == pytest.approx(int8["tokens_per_s"] / bf16["tokens_per_s"])
     goals = [g for g in results["goals"] if g["goal"] == "int8 >= 1.8x bf16 tokens/s, steps in turn"]
     assert [g["value"] for g in goals] == [rows[benchmark.BESIDE, b]["vs_bf16"] for b in (1, 2)]
+
+
+@pytest.mark.parametrize("turn,expected", [(1, [2, 3, 4, 5]), (2, [4, 6, 8, 10]), (3, [5, 6, 8, 9])])
+def test_turns_of_several_steps_leave_out_the_first_of_each(monkeypatch, turn, expected):
+    """``--turn-steps``: each model takes ``turn`` steps per turn; after the warm-up round, every step of a turn but
+    the first is timed (all of them for 1), until ``steps`` are, and no stream runs short. A fake clock advances
+    by the index of the token each step makes, so the times say which steps were timed."""
+    benchmark = load_benchmark("decode_cpu")
+    clock = [0.0]
+    made = []
+
+    def stream(model, prompts, max_new_tokens, **kw):  # type: ignore[no-untyped-def]
+        made.append(0)
+        slot = len(made) - 1
+        for t in range(max_new_tokens):
+            clock[0] += t
+            made[slot] = t + 1
+            yield t
+
+    monkeypatch.setattr(benchmark, "generate_stream", stream)
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
+    times, rates = benchmark.interleaved_steps([None, None], torch.zeros(1, 2), 1, 4, False, turn=turn)
+    assert times == [expected, expected] and rates == []
+    rounds = 1 + -(-4 // max(turn - 1, 1))
+    assert made == [rounds * turn + 1] * 2  # every token asked for was made
+    with pytest.raises(ValueError, match="turn=0"):
+        benchmark.interleaved_steps([None], torch.zeros(1, 2), 1, 4, False, turn=0)
