@@ -117,7 +117,6 @@ class Int8TiedOutput(nn.Module):
         return matvec_ref(x, [self.weight], [self.weight_scale], out_dtype=x.dtype)
 
 
-
 class Int8BlockDiagonalLinear(nn.Module):
     """The RG-LRU's block-diagonal gates (:class:`griffin.layers.BlockDiagonalLinear`, Section 2.4) with int8 weights:
     ``w`` (H, Din, Dout) int8 in the float layer's layout and ``w_scale`` (H, Dout) float32, one scale per block and
