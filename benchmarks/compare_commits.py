@@ -1,7 +1,9 @@
 """Two versions of griffin side by side in one run: the training step and the decode step (eager and compiled).
 
 Each version runs in its own long-lived worker process that imports griffin from that version's source tree (``git
-archive`` of ``--base``; the working tree for ``--head``). The controller asks the workers for one measurement at a
+archive`` of ``--base``, and of ``--head`` if given, else the working tree), with a numba cache of its own that starts
+empty (a kernel cached from an older version of a file it inlines from would run the older code: numba checks only
+the file that defines it). The controller asks the workers for one measurement at a
 time, alternating between them round after round, so that load from other processes hits both alike; the median of
 the rounds is kept. The models are those of ``benchmarks/model_cpu.py`` (training: HF RecurrentGemma-style Griffin,
 batch 4 × 1024 tokens) and of ``benchmarks/inference.py``'s CPU scale (decode: Griffin D = 256, 6 blocks, batch 16,
@@ -10,6 +12,7 @@ with 6 blocks of ``griffin-1.3b`` (bfloat16 or its int8 quantisation, 1 or 8 row
 
     python benchmarks/compare_commits.py --base ebf75ba            # base commit vs the working tree
     python benchmarks/compare_commits.py --base HEAD~3 --rounds 7 --out benchmarks/results/compare_commits.json
+    python benchmarks/compare_commits.py --base 0fee1de --head 30f0f7d   # two commits
 """
 
 from __future__ import annotations
@@ -147,8 +150,11 @@ def worker() -> None:
 
 # Controller ------------------------------------------------------------------------------------------------------
 class Worker:
-    def __init__(self, label: str, src: Path, threads: int) -> None:
-        env = {**os.environ, "PYTHONPATH": str(src), "COMPARE_THREADS": str(threads)}
+    def __init__(self, label: str, src: Path, threads: int, numba_cache: Path) -> None:
+        # A numba cache of its own, empty: a kernel cached from an older version of a file it inlines from (numba
+        # checks only the file that defines the kernel) would time the older code.
+        env = {**os.environ, "PYTHONPATH": str(src), "COMPARE_THREADS": str(threads),
+               "NUMBA_CACHE_DIR": str(numba_cache)}
         self.label = label
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
@@ -173,6 +179,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="the git revision to compare against (required)")
+    parser.add_argument("--head", default=None,
+                        help="a git revision to compare instead of the working tree (default: the working tree)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (the median is kept)")
     parser.add_argument("--only", nargs="+", choices=sorted(MEASUREMENTS), default=list(MEASUREMENTS))
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads per worker")
@@ -188,13 +196,21 @@ def main() -> None:
 
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout.strip()
-    head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="griffin-base-") as tmp:
-        archive = subprocess.run(["git", "archive", base_rev, "src"], cwd=ROOT, check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        workers = {"base": Worker(f"base {base_rev}", Path(tmp) / "src", args.threads),
-                   "head": Worker(f"head {head_rev}+tree", ROOT / "src", args.threads)}
+    head_rev = subprocess.run(["git", "rev-parse", "--short", args.head or "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    head_label = head_rev if args.head else f"{head_rev}+tree"
+
+    def source(rev: str, where: Path) -> Path:
+        archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, check=True, capture_output=True)
+        where.mkdir()
+        subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+        return where / "src"
+
+    with tempfile.TemporaryDirectory(prefix="griffin-compare-") as tmp:
+        head_src = source(head_rev, Path(tmp) / "head") if args.head else ROOT / "src"
+        workers = {"base": Worker(f"base {base_rev}", source(base_rev, Path(tmp) / "base"), args.threads,
+                                  Path(tmp) / "numba-base"),
+                   "head": Worker(f"head {head_label}", head_src, args.threads, Path(tmp) / "numba-head")}
         results: dict[str, dict[str, list[float]]] = {name: {"base": [], "head": []} for name in args.only}
         try:
             for r in range(args.rounds):
@@ -213,8 +229,8 @@ def main() -> None:
         base, head = statistics.median(results[name]["base"]), statistics.median(results[name]["head"])
         rows.append({"measurement": name, "base_ms": base, "head_ms": head, "head_over_base": head / base})
     print(table(rows, [("measurement", "measurement", "s"), (f"{base_rev} ms", "base_ms", ".2f"),
-                       (f"{head_rev}+tree ms", "head_ms", ".2f"), ("head / base", "head_over_base", ".3f")]))
-    write_json(args.out, {"base": base_rev, "head": head_rev, "rounds": args.rounds, "rows": rows, "raw": results,
+                       (f"{head_label} ms", "head_ms", ".2f"), ("head / base", "head_over_base", ".3f")]))
+    write_json(args.out, {"base": base_rev, "head": head_label, "rounds": args.rounds, "rows": rows, "raw": results,
                           "machine": machine_info(torch.device("cpu"))})
 
 
