@@ -511,26 +511,37 @@ def block_product(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-
 
 
 @numba.njit(inline="always", fastmath=True)
-def _add_row(x, x0, i, w_row, out, o0):  # type: ignore[no-untyped-def]
-    """out[b, o0 + o] += x[b, x0 + i] w_row[o] for every row b of x (vectorised over o)."""
-    for b in range(x.shape[0]):
-        xi, acc = widen(x[b, x0 + i]), out[b, o0 : o0 + w_row.shape[0]]
-        for o in range(w_row.shape[0]):
-            acc[o] += xi * w_row[o]
+def _add_rows(x, x0, w, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+    """out[b, o0 + o] += sum_i x[b, x0 + i] w[h, i, o] for every row b of x, w's entries widened to float32 (int8
+    ones as their values), vectorised over o: at one row straight into the output row; at several each row of the
+    block widened once into w_row for all of them."""
+    Din, Dout = w.shape[1], w.shape[2]
+    if x.shape[0] == 1:
+        acc = out[0, o0 : o0 + Dout]
+        for i in range(Din):
+            xi, row = widen(x[0, x0 + i]), w[h, i]
+            for o in range(Dout):
+                acc[o] += xi * widen(row[o])
+        return
+    for i in range(Din):
+        row = w[h, i]
+        for o in range(Dout):
+            w_row[o] = widen(row[o])
+        for b in range(x.shape[0]):
+            xi, acc = widen(x[b, x0 + i]), out[b, o0 : o0 + Dout]
+            for o in range(Dout):
+                acc[o] += xi * w_row[o]
 
 
 @overload(block_product, inline="always")
 def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
     if w.dtype == types.int8:
         def int8(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
-            Din, Dout = w.shape[1], w.shape[2]
+            Dout = w.shape[2]
             for b in range(x.shape[0]):
                 for o in range(Dout):
                     out[b, o0 + o] = 0.0
-            for i in range(Din):
-                for o in range(Dout):
-                    w_row[o] = np.float32(w[h, i, o])
-                _add_row(x, x0, i, w_row, out, o0)
+            _add_rows(x, x0, w, h, out, o0, w_row)
             for b in range(x.shape[0]):
                 acc = out[b, o0 : o0 + Dout]
                 for o in range(Dout):
@@ -539,14 +550,10 @@ def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: igno
         return int8
 
     def stored(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
-        Din, Dout = w.shape[1], w.shape[2]
         for b in range(x.shape[0]):
-            for o in range(Dout):
+            for o in range(w.shape[2]):
                 out[b, o0 + o] = widen(bias[h, o])
-        for i in range(Din):
-            for o in range(Dout):
-                w_row[o] = widen(w[h, i, o])
-            _add_row(x, x0, i, w_row, out, o0)
+        _add_rows(x, x0, w, h, out, o0, w_row)
 
     return stored
 
