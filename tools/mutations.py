@@ -243,6 +243,15 @@ MUTATIONS = [
          "tests/ops/test_decode_step.py::test_recurrent_step_equals_the_block"),
     ),
     Mutation(
+        "kernel-cache-kept",
+        "griffin.ops keeps numba's cached kernels after a kernel source changed (a kernel that inlines from another "
+        "file runs the older code)",
+        "src/griffin/ops/__init__.py",
+        "        if marker.is_file() and marker.read_text() == digest.hexdigest():",
+        "        if marker.is_file():",
+        ("tests/ops/test_kernel_cache.py::test_a_changed_source_drops_every_cached_kernel",),
+    ),
+    Mutation(
         "int8-gates-float-on-load",
         "an int8 checkpoint's gates load into float layers (the int8 values read as floats: gates off by the "
         "factor 1 / scale)",
