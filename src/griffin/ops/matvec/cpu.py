@@ -263,12 +263,12 @@ def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: i
     K = x.shape[0]
     kv = K - K % VECTOR
     j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-    w = weights[j]
+    w = weights[j].reshape(weights[j].size)  # flat: each row by its offset, no view per row
     for i in range(rows):
-        row, c = w[r0 + i], c0 + i
-        acc = dot_bf16(x, row, 0, kv, ahead_bytes // 2, (w.shape[0] - r0 - i) * K)
+        first, c = (r0 + i) * K, c0 + i
+        acc = dot_bf16(x, w, first, 0, kv, ahead_bytes // 2, w.size)
         for k in range(kv, K):
-            acc += widen(x[k]) * widen(row[k])
+            acc += widen(x[k]) * widen(w[first + k])
         out[c] = acc + bias[c]
 
 
@@ -286,18 +286,17 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
     group = K // G
     gv = group - group % VECTOR
     j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
-    w = weights[j]
+    w = weights[j].reshape(weights[j].size)  # flat: each row by its offset, no view per row
     for i in range(rows):
-        row, c = w[r0 + i], c0 + i
-        limit = (w.shape[0] - r0 - i) * K
+        first, c = (r0 + i) * K, c0 + i
         total = np.float32(0.0)
         for g in range(G):
             k0 = g * group
             acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
             for d in range(0, gv, DOT_CHUNK):
-                acc += dot_uint16_int8(high, low, row, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes, limit)
+                acc += dot_uint16_int8(high, low, w, first, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes, w.size)
             for k in range(k0 + gv, k0 + group):
-                acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(row[k])
+                acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(w[first + k])
             total += np.float32(acc) * scale[c, g]
         out[c] = total * step + bias[c]
 
