@@ -72,7 +72,7 @@ def _int8_block_loop(high, low, w, reps):  # type: ignore[no-untyped-def]
 def _bf16_loop(x, w, reps):  # type: ignore[no-untyped-def]
     total = 0.0
     for r in range(reps):
-        total += isa.dot_bf16(x, w, 0, (r % 4) * 128, x.shape[0] - 512, 0, 0)
+        total += isa.dot_bf16(x, w, 0, (r % 4) * 128, x.shape[0] - 512, 0)
     return total
 
 

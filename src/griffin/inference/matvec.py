@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from griffin.layers import BlockDiagonalLinear, LinearGroup
 from griffin.layers.quantized import Int8BlockDiagonalLinear, Int8Linear, Int8TiedOutput
 from griffin.model import TiedOutput
-from griffin.ops.matvec.cpu import WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
+from griffin.ops.matvec.cpu import GATE_DTYPES, WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
 from griffin.ops.matvec.isa import FAST_DOTS
 
 LINEAR_LAYERS = (nn.Linear, TiedOutput, Int8Linear, Int8TiedOutput)
@@ -115,7 +115,7 @@ def can_block_diagonal(layer: nn.Module) -> bool:
     """Whether :class:`MatvecBlockDiagonal` computes ``layer``: block-diagonal gates with contiguous float32, bfloat16
     or int8 CPU weights."""
     return (isinstance(layer, (BlockDiagonalLinear, Int8BlockDiagonalLinear)) and layer.w.device.type == "cpu"
-            and layer.w.is_contiguous() and layer.w.dtype in (torch.float32, torch.bfloat16, torch.int8))
+            and layer.w.is_contiguous() and layer.w.dtype in GATE_DTYPES)
 
 
 KERNEL_INT8_ROWS = 8  # up to this many rows, int8 layers decode through the kernel (where the host has vpdpbusd)

@@ -42,6 +42,7 @@ from griffin.ops.decode_step import (
     stack_blocks,
     stack_step,
 )
+from griffin.ops.matvec.cpu import GATE_DTYPES
 
 
 def _gate(gate: nn.Module) -> tuple[Tensor, ...] | None:
@@ -52,7 +53,7 @@ def _gate(gate: nn.Module) -> tuple[Tensor, ...] | None:
     scale = getattr(gate, "w_scale", None)
     if not isinstance(w, Tensor) or not isinstance(b, Tensor) or w.dim() != 3 or w.shape[1] != w.shape[2]:
         return None
-    if (b.dtype not in STEP_DTYPES or w.dtype not in (*STEP_DTYPES, torch.int8)
+    if (b.dtype not in STEP_DTYPES or w.dtype not in GATE_DTYPES
             or (w.dtype == torch.int8) != isinstance(scale, Tensor)
             or any(t.device.type != "cpu" or not t.is_contiguous() for t in (w, b))):
         return None

@@ -266,7 +266,7 @@ def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: i
     w = weights[j].reshape(weights[j].size)  # flat: each row by its offset, no view per row
     for i in range(rows):
         first, c = (r0 + i) * K, c0 + i
-        acc = dot_bf16(x, w, first, 0, kv, ahead_bytes // 2, w.size)
+        acc = dot_bf16(x, w, first, 0, kv, ahead_bytes // 2)
         for k in range(kv, K):
             acc += widen(x[k]) * widen(w[first + k])
         out[c] = acc + bias[c]
@@ -294,7 +294,7 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
             k0 = g * group
             acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
             for d in range(0, gv, DOT_CHUNK):
-                acc += dot_uint16_int8(high, low, w, first, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes, w.size)
+                acc += dot_uint16_int8(high, low, w, first, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes)
             for k in range(k0 + gv, k0 + group):
                 acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(w[first + k])
             total += np.float32(acc) * scale[c, g]

@@ -5,18 +5,17 @@ A decode step at one row reads each weight once and does one multiply-add with i
 the weights are consumed at a rate that leaves the memory system idle part of the time; these instructions take 32
 or 64 narrow pairs at once, so the kernel streams the weights at close to the read bandwidth:
 
-- :func:`dot_bf16` ``(x, w, offset, start, n, ahead, limit)``: the float32 sum over k in [start, start + n) of x[k]
+- :func:`dot_bf16` ``(x, w, offset, start, n, ahead)``: the float32 sum over k in [start, start + n) of x[k]
   w[offset + k], x and w bfloat16 (held as their uint16 bits; w a whole matrix, flat, and offset its row's first
   entry: no view per row); ``vdpbf16ps``: exact products, float32 sums (subnormal bfloat16 inputs count as zero).
-  With each vector of w it asks for the line ``ahead`` entries on (at most entry ``limit`` - 1 of w: the end of the
-  matrix), so that a row's prefetches are spread over its loads rather than sent in one burst before them;
-- :func:`dot_uint16_int8` ``(high, low, w, offset, start, n, ahead, limit)``: the exact sum of u[k] w[offset + k] (an
-  int64) for unsigned
-  16-bit u = 256 high[k] + low[k], held as its two bytes, and int8 w (prefetching as :func:`dot_bf16`): ``vpdpbusd``
-  multiplies unsigned by signed bytes, 64 pairs per instruction, one instruction for each byte of u. The int8 kernel's
-  row is int16, x = u - 32768, so x w = u w - 32768 sum(w), with sum(w) computed once per weight row and group.
-  (Sign-extending w to 16 bits for ``vpdpwssd`` costs an instruction per 32 weights, and it kept the kernel below the
-  read bandwidth.) The int32 sums are exact for n <= :data:`DOT_CHUNK`;
+  With each vector of w it asks for the line ``ahead`` entries on (at most w's last entry: the end of the matrix), so
+  that a row's prefetches are spread over its loads rather than sent in one burst before them;
+- :func:`dot_uint16_int8` ``(high, low, w, offset, start, n, ahead)``: the exact sum of u[k] w[offset + k] (an int64)
+  for unsigned 16-bit u = 256 high[k] + low[k], held as its two bytes, and int8 w (prefetching as :func:`dot_bf16`):
+  ``vpdpbusd`` multiplies unsigned by signed bytes, 64 pairs per instruction, one instruction for each byte of u. The
+  int8 kernel's row is int16, x = u - 32768, so x w = u w - 32768 sum(w), with sum(w) computed once per weight row
+  and group. (Sign-extending w to 16 bits for ``vpdpwssd`` costs an instruction per 32 weights, and it kept the kernel
+  below the read bandwidth.) The int32 sums are exact for n <= :data:`DOT_CHUNK`;
 - :func:`dot_rows_uint16_int8`: the same for a block of :data:`WEIGHT_ROWS` weight rows and :data:`ROWS` input
   rows (several rows of a decode step), each loaded vector used for several instructions, sixteen independent
   accumulators.
@@ -159,9 +158,9 @@ def _check(x, w, start, n, x_dtype, w_dtype, name):  # type: ignore[no-untyped-d
         raise TypingError(f"{name}: start and n are integers, got {start} and {n}")
 
 
-def _check_ahead(offset, ahead, limit, name):  # type: ignore[no-untyped-def]
-    if not all(isinstance(a, types.Integer) for a in (offset, ahead, limit)):
-        raise TypingError(f"{name}: offset, ahead and limit are integers, got {offset}, {ahead} and {limit}")
+def _check_ahead(offset, ahead, name):  # type: ignore[no-untyped-def]
+    if not (isinstance(offset, types.Integer) and isinstance(ahead, types.Integer)):
+        raise TypingError(f"{name}: offset and ahead are integers, got {offset} and {ahead}")
 
 
 def _load(vector_type, align, as_type=None):  # type: ignore[no-untyped-def]
@@ -173,9 +172,10 @@ def _load(vector_type, align, as_type=None):  # type: ignore[no-untyped-def]
     return load
 
 
-def _prefetcher(builder, w, ahead, limit):  # type: ignore[no-untyped-def]
-    """A function of the index k of a vector of ``w``: prefetch (into L2, as :func:`prefetch`) the line holding entry
-    k + ahead of w, or entry limit - 1 if that lies further (the last of the matrix); nothing where ahead is 0."""
+def _prefetcher(builder, w, ahead):  # type: ignore[no-untyped-def]
+    """A function of the index k of a vector of the flat matrix ``w``: prefetch (into L2, as :func:`prefetch`) the
+    line holding entry k + ahead of w, or w's last entry if that lies further; nothing where ahead is 0."""
+    limit = w.nitems
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3),
         "llvm.prefetch.p0")
@@ -194,18 +194,17 @@ def _prefetcher(builder, w, ahead, limit):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def dot_bf16(typingctx, x, w, offset, start, n, ahead, limit):  # type: ignore[no-untyped-def]
+def dot_bf16(typingctx, x, w, offset, start, n, ahead):  # type: ignore[no-untyped-def]
     """float32 sum of x[k] w[offset + k] over [start, start + n), x and w uint16 arrays of bfloat16 bits (module
-    docstring); with each vector of w, the entry ``ahead`` further on prefetched (at most entry limit - 1 of w: the
-    last of its matrix; ahead 0: none)."""
+    docstring); with each vector of w, the entry ``ahead`` further on prefetched (at most w's last; ahead 0: none)."""
     _check(x, w, start, n, types.uint16, types.uint16, "dot_bf16")
-    _check_ahead(offset, ahead, limit, "dot_bf16")
+    _check_ahead(offset, ahead, "dot_bf16")
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         x, w = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2], strict=True))
-        offset, start, n, ahead, limit = (context.cast(builder, a, t, types.intp)
-                                          for a, t in zip(args[2:], sig.args[2:], strict=True))
-        ask = _prefetcher(builder, w, ahead, limit)
+        offset, start, n, ahead = (context.cast(builder, a, t, types.intp)
+                                   for a, t in zip(args[2:], sig.args[2:], strict=True))
+        ask = _prefetcher(builder, w, ahead)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")
         load = _load(_BF16X32, 2)
@@ -225,22 +224,22 @@ def dot_bf16(typingctx, x, w, offset, start, n, ahead, limit):  # type: ignore[n
             "llvm.vector.reduce.fadd.v16f32")
         return builder.call(reduce, [ir.Constant(ir.FloatType(), 0.0), total])
 
-    return types.float32(x, w, offset, start, n, ahead, limit), codegen
+    return types.float32(x, w, offset, start, n, ahead), codegen
 
 
 @intrinsic
-def dot_uint16_int8(typingctx, high, low, w, offset, start, n, ahead, limit):  # type: ignore[no-untyped-def]
+def dot_uint16_int8(typingctx, high, low, w, offset, start, n, ahead):  # type: ignore[no-untyped-def]
     """Exact int64 sum of (256 high[k] + low[k]) w[offset + k] over [start, start + n), high and low uint8, w int8
     (module docstring); with each vector of w, the entry ``ahead`` further on prefetched (as :func:`dot_bf16`)."""
     _check(high, w, start, n, types.uint8, types.int8, "dot_uint16_int8")
     _check(low, w, start, n, types.uint8, types.int8, "dot_uint16_int8")
-    _check_ahead(offset, ahead, limit, "dot_uint16_int8")
+    _check_ahead(offset, ahead, "dot_uint16_int8")
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3], strict=True)]
-        offset, start, n, ahead, limit = (context.cast(builder, a, t, types.intp)
-                                          for a, t in zip(args[3:], sig.args[3:], strict=True))
-        ask = _prefetcher(builder, arrays[2], ahead, limit)
+        offset, start, n, ahead = (context.cast(builder, a, t, types.intp)
+                                   for a, t in zip(args[3:], sig.args[3:], strict=True))
+        ask = _prefetcher(builder, arrays[2], ahead)
         # vpdpbusd's operands are declared as 16 int32 lanes, each holding four bytes.
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X16, [_I32X16] * 3),
                                             "llvm.x86.avx512.vpdpbusd.512")
@@ -267,7 +266,7 @@ def dot_uint16_int8(typingctx, high, low, w, offset, start, n, ahead, limit):  #
             sums.append(builder.sext(builder.call(reduce, [total]), i64))
         return builder.add(builder.shl(sums[0], ir.Constant(i64, 8)), sums[1])
 
-    return types.int64(high, low, w, offset, start, n, ahead, limit), codegen
+    return types.int64(high, low, w, offset, start, n, ahead), codegen
 
 
 # The block of dot_rows_uint16_int8: 4 x 2 x 2 = 16 accumulators, a zmm register each. At 8 input rows, 4 weight
