@@ -272,32 +272,48 @@ def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: i
         out[c] = acc + bias[c]
 
 
-@numba.njit(fastmath=True, cache=True)
+@numba.njit(inline="always", fastmath=True)
+def _group_dot(high, low, w, first, k0, group, gv, vector_sum, ahead_bytes):  # type: ignore[no-untyped-def]
+    """The exact int64 sum of x[k] w[first + k] over the group [k0, k0 + group), x = u - 32768 and u = 256 high + low:
+    over its first gv entries, whose weights sum to ``vector_sum``, u w - 32768 sum(w) through ``vpdpbusd``
+    (:func:`griffin.ops.matvec.isa.dot_uint16_int8`, in chunks of at most :data:`DOT_CHUNK`); the rest one product
+    at a time."""
+    acc = np.int64(vector_sum) * np.int64(-OFFSET)
+    for d in range(0, gv, DOT_CHUNK):
+        acc += dot_uint16_int8(high, low, w, first, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes)
+    for k in range(k0 + gv, k0 + group):
+        acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(w[first + k])
+    return acc
+
+
+@numba.njit(inline="always", fastmath=True)
 def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """out = step (x W^T, each group times its scale) + bias, tile t, for one row x (K,) of int16 steps of ``step``
     (:func:`griffin.ops.matvec.reference.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
     ``low``), and int8 weights (tiles as in :func:`_widened_task`) with float32 ``scale`` (N, G) and ``sums``
-    (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`). Over those,
-    x w = u w - 32768 sum(w) through ``vpdpbusd`` (:func:`griffin.ops.matvec.isa.dot_uint16_int8`); the rest of the
-    group one product at a time. Each group's sum is exact (int64) until it is scaled. The weights ``ahead_bytes`` on
-    are prefetched."""
+    (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`): each group's
+    sum exact (int64, :func:`_group_dot`) until it is scaled. The weights ``ahead_bytes`` on are prefetched.
+    Inlined into its callers, with a
+    loop of its own for one group per row (the default scales): a call per tile, and a loop over groups per row, cost
+    int8's short rows a measurable share of their time (docs/performance.md)."""
     K = high.shape[0]
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
     j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
     w = weights[j].reshape(weights[j].size)  # flat: each row by its offset, no view per row
+    if G == 1:
+        for i in range(rows):
+            first, c = (r0 + i) * K, c0 + i
+            acc = _group_dot(high, low, w, first, 0, K, gv, sums[c, 0], ahead_bytes)
+            out[c] = np.float32(acc) * scale[c, 0] * step + bias[c]
+        return
     for i in range(rows):
         first, c = (r0 + i) * K, c0 + i
         total = np.float32(0.0)
         for g in range(G):
             k0 = g * group
-            acc = np.int64(sums[c, g]) * np.int64(-OFFSET)
-            for d in range(0, gv, DOT_CHUNK):
-                acc += dot_uint16_int8(high, low, w, first, k0 + d, min(DOT_CHUNK, gv - d), ahead_bytes)
-            for k in range(k0 + gv, k0 + group):
-                acc += (np.int64(high[k]) * 256 + np.int64(low[k]) - OFFSET) * np.int64(w[first + k])
-            total += np.float32(acc) * scale[c, g]
+            total += np.float32(_group_dot(high, low, w, first, k0, group, gv, sums[c, g], ahead_bytes)) * scale[c, g]
         out[c] = total * step + bias[c]
 
 
@@ -820,7 +836,7 @@ def _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out)
         _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out)
 
 
-@overload(rows_task)
+@overload(rows_task, inline="always")
 def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
     if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
