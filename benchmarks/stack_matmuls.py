@@ -30,7 +30,8 @@ from pathlib import Path
 import numba
 import numpy as np
 import torch
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 import griffin.inference.step as step_module
 from griffin import CausalLM, Decoder, ModelConfig, prefill
@@ -68,11 +69,26 @@ def _matmuls(x, items, settings, out):  # type: ignore[no-untyped-def]
                               out[worker : worker + 1, : scale.shape[0]])
 
 
+def _row_dot(inputs, w, offset, n, ahead):  # type: ignore[no-untyped-def]
+    """The one-row dot product of the input (bfloat16 bits, or int8's (high, low) bytes) with w[offset : offset + n]
+    through the weights' intrinsic, prefetching ``ahead`` bytes on. Numba only."""
+    raise NotImplementedError
+
+
+@overload(_row_dot, inline="always")
+def _row_dot_impl(inputs, w, offset, n, ahead):  # type: ignore[no-untyped-def]
+    if w.dtype == types.int8:
+        return lambda inputs, w, offset, n, ahead: np.float64(dot_uint16_int8(inputs[0], inputs[1], w, offset, 0, n,
+                                                                              ahead))
+    return lambda inputs, w, offset, n, ahead: np.float64(dot_bf16(inputs[0], w, offset, 0, n, ahead // 2))
+
+
 @numba.njit(fastmath=True, parallel=True)
-def _dots_bf16(x, items, ahead, out):  # type: ignore[no-untyped-def]
+def _dots(inputs, items, ahead, out):  # type: ignore[no-untyped-def]
+    """The dot products alone of every row of the blocks' matrices, in the matmuls' order and shares."""
     workers = numba.get_num_threads()
     for worker in prange(workers):
-        acc = np.float32(0.0)
+        acc = 0.0
         for i in range(len(items)):
             item = items[i]
             for m in (item[1], item[2], item[3], item[4]):
@@ -82,26 +98,8 @@ def _dots_bf16(x, items, ahead, out):  # type: ignore[no-untyped-def]
                 for t in range(lo, hi):
                     w = arrays[tiles[t, 0]].reshape(arrays[tiles[t, 0]].size)
                     for r in range(tiles[t, 1], tiles[t, 1] + tiles[t, 3]):
-                        acc += dot_bf16(x, w, r * K, 0, K - K % VECTOR, ahead // 2)
+                        acc += _row_dot(inputs, w, r * K, K - K % VECTOR, ahead)
         out[worker, 0] = acc
-
-
-@numba.njit(fastmath=True, parallel=True)
-def _dots_int8(high, low, items, ahead, out):  # type: ignore[no-untyped-def]
-    workers = numba.get_num_threads()
-    for worker in prange(workers):
-        acc = np.int64(0)
-        for i in range(len(items)):
-            item = items[i]
-            for m in (item[1], item[2], item[3], item[4]):
-                arrays, tiles = m[0], m[1]
-                K = arrays[0].shape[1]
-                lo, hi = _share(worker, workers, tiles.shape[0])
-                for t in range(lo, hi):
-                    w = arrays[tiles[t, 0]].reshape(arrays[tiles[t, 0]].size)
-                    for r in range(tiles[t, 1], tiles[t, 1] + tiles[t, 3]):
-                        acc += dot_uint16_int8(high, low, w, r * K, 0, K - K % VECTOR, ahead)
-        out[worker, 0] = np.float32(acc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for items in lists:
             if path == "matmuls alone":
                 _matmuls(x, items, settings, out)
-            elif dtype == "bfloat16":
-                _dots_bf16(x[0], items, PREFETCH_BYTES, out)
             else:
-                _dots_int8(high, low, items, PREFETCH_BYTES, out)
+                _dots((x[0],) if dtype == "bfloat16" else (high, low), items, PREFETCH_BYTES, out)
         return time.perf_counter() - start
 
     step_module.stack_step = timed_stack
