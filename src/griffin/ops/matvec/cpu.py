@@ -292,10 +292,9 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
     (:func:`griffin.ops.matvec.reference.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
     ``low``), and int8 weights (tiles as in :func:`_widened_task`) with float32 ``scale`` (N, G) and ``sums``
     (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`): each group's
-    sum exact (int64, :func:`_group_dot`) until it is scaled. The weights ``ahead_bytes`` on are prefetched.
-    Inlined into its callers, with a
-    loop of its own for one group per row (the default scales): a call per tile, and a loop over groups per row, cost
-    int8's short rows a measurable share of their time (docs/performance.md)."""
+    sum exact (int64, :func:`_group_dot`) until it is scaled. The weights ``ahead_bytes`` on are prefetched. Inlined
+    into its callers, with a loop of its own for one group per row (the default scales): a call per tile, and a loop
+    over groups per row, cost int8's short rows a measurable share of their time (docs/performance.md)."""
     K = high.shape[0]
     G = scale.shape[1]
     group = K // G
