@@ -34,6 +34,9 @@ each int8 run of several (without AMX), with the kernels prefetching other dista
 bfloat16 ratio of one run sees one phase of the host (the int8 stage's ratio compares runs minutes apart).
 ``--turn-steps K`` makes each turn K steps of one run, of which the first is left out: a step that follows another
 model's steps may find less of its own weights in the last-level cache than one that follows its own.
+``--huge-pages-too`` also times a copy of each model whose tensors of 2 MiB or more lie in memory advised for
+transparent huge pages (:func:`huge_page_copy`), its steps in turn with the model's: the weights' reads then cross a
+page boundary every 2 MiB instead of every 4 KiB.
 
     flock /tmp/griffin-bench.lock python benchmarks/decode_cpu.py --profile
     python benchmarks/decode_cpu.py --models griffin-1.3b --dtypes bfloat16 int8 --batches 1 --no-hf
@@ -42,7 +45,10 @@ model's steps may find less of its own weights in the last-level cache than one 
 from __future__ import annotations
 
 import argparse
+import copy
+import ctypes
 import gc
+import mmap
 import os
 import statistics
 import sys
@@ -146,6 +152,35 @@ def interleaved_steps(models: list[CausalLM], prompts: torch.Tensor, warmup: int
 
 
 BESIDE = "griffin int8, steps in turn with bf16"  # the path of --int8-beside-bf16's rows
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
+
+
+def huge_page_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in anonymous memory of its own, 2 MiB-aligned and advised for transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``, Linux), so that the kernel backs it with 2 MiB pages where it can (this host's THP
+    setting is ``madvise``: PyTorch's allocations get 4 KiB pages unless ``THP_MEM_ALLOC_ENABLE=1``)."""
+    nbytes = t.numel() * t.element_size()
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared: no THP)
+    region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are faulted in as huge pages
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+    out = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def huge_page_copy(model: CausalLM) -> CausalLM:
+    """A copy of ``model`` whose parameters and buffers of 2 MiB or more lie in huge pages (huge_page_tensor)."""
+    hp = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in hp.modules():
+            for store in (module._parameters, module._buffers):
+                for name, t in store.items():
+                    if t is not None and t.numel() * t.element_size() >= HUGE_PAGE:
+                        if isinstance(t, torch.nn.Parameter):
+                            t.data = huge_page_tensor(t.data)
+                        else:
+                            store[name] = huge_page_tensor(t)
+    return hp
 
 
 def one_call_per_block(dtype: str, batch: int) -> bool:
@@ -363,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8-beside-bf16", action="store_true",
                    help="also time an int8 copy of each bfloat16 model (quantised, not in place) with its steps taken "
                         "in turn with the bfloat16 model's, so that their ratio sees the same phases of the host")
+    p.add_argument("--huge-pages-too", action="store_true",
+                   help="also time a copy of each model whose tensors of 2 MiB or more lie in memory advised for "
+                        "transparent huge pages (Linux), a step of each in turn")
     p.add_argument("--turn-steps", type=int, default=1,
                    help="runs timed in turn (--int8-beside-bf16, --unfused, ...) take this many steps each turn, the "
                         "first of each turn left out when more than 1 (it follows the other runs' steps)")
@@ -404,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      for b in args.batches for d in args.dtypes)
                       + tiled * sum(b > 1 for b in args.batches) * ("int8" in args.dtypes)
                       + args.int8_beside_bf16 * len(args.batches) * ("bfloat16" in args.dtypes)
+                      + args.huge_pages_too * len(args.batches) * len(args.dtypes)
                       + args.kernel_by_kernel_too * sum(one_call_per_block(d, b)
                                                         for b in args.batches for d in args.dtypes)
                       for name in args.models}
@@ -448,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [("griffin", model, nullcontext)]
                 if beside is not None:
                     runs.append((BESIDE, beside, nullcontext))
+                if args.huge_pages_too:
+                    runs.append(("griffin, huge pages", huge_page_copy(model), nullcontext))
                 if args.unfused:
                     runs.append(("griffin unfused", decode_model(model, b, fuse=False), nullcontext))
                 if args.kernel_by_kernel_too and one_call_per_block(dtype, b):  # (else the copy would be oneDNN's)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import statistics
 
 import pytest
@@ -112,3 +113,21 @@ def test_turns_of_several_steps_leave_out_the_first_of_each(monkeypatch, turn, e
     assert made == [rounds * turn + 1] * 2  # every token asked for was made
     with pytest.raises(ValueError, match="turn=0"):
         benchmark.interleaved_steps([None], torch.zeros(1, 2), 1, 4, False, turn=0)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) on this platform")
+def test_huge_page_copy_holds_the_same_model_in_2_mib_aligned_memory():
+    """``--huge-pages-too``'s copy: the tensors of 2 MiB or more moved, 2 MiB-aligned, same values; the same logits."""
+    benchmark = load_benchmark("decode_cpu")
+    t = torch.randn(3 << 19, generator=torch.Generator().manual_seed(0)).bfloat16().view(3, -1)
+    moved = benchmark.huge_page_tensor(t)
+    assert torch.equal(moved, t) and moved.dtype == t.dtype and moved.shape == t.shape
+    assert moved.data_ptr() % benchmark.HUGE_PAGE == 0 and moved.data_ptr() != t.data_ptr()
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_preset("griffin-tiny").replace(vocab_size=40_000)).eval()  # a 2.6 MB embedding
+    copy = benchmark.huge_page_copy(model)
+    assert copy.embed.weight.data_ptr() % benchmark.HUGE_PAGE == 0
+    assert copy.embed.weight.data_ptr() != model.embed.weight.data_ptr()
+    tokens = torch.randint(0, 40_000, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(copy(tokens), model(tokens))
