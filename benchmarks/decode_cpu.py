@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--threads={args.threads} must be >= 1")
     if args.turn_steps < 1:
         raise SystemExit(f"--turn-steps={args.turn_steps} must be >= 1")
+    if args.huge_pages_too and not hasattr(mmap, "MADV_HUGEPAGE"):
+        raise SystemExit("--huge-pages-too: this platform has no madvise(MADV_HUGEPAGE) (Linux only)")
     torch.set_num_threads(args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     configs = {name: ModelConfig.from_preset(name) for name in args.models}  # unknown names fail here, named
