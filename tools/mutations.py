@@ -243,12 +243,12 @@ MUTATIONS = [
          "tests/ops/test_decode_step.py::test_recurrent_step_equals_the_block"),
     ),
     Mutation(
-        "int8-one-scale-row-offset-dropped",
-        "the one-row int8 kernel's loop for one scale per row forgets the -32768 sum(w) of the int16 offset (every "
-        "output off by 32768 step scale sum(w) of its row)",
+        "int8-group-offset-dropped",
+        "the one-row int8 kernel's group sum forgets the -32768 sum(w) of the int16 offset (every output off by "
+        "32768 step scale sum(w) of its group)",
         "src/griffin/ops/matvec/cpu.py",
-        "acc = _group_dot(high, low, w, first, 0, K, gv, sums[c, 0], ahead_bytes)",
-        "acc = _group_dot(high, low, w, first, 0, K, gv, 0, ahead_bytes)",
+        "acc = np.int64(vector_sum) * np.int64(-OFFSET)",
+        "acc = np.int64(0)",
         ("tests/ops/test_matvec.py::test_int8_instruction_path_is_within_the_rounding_of_x",),
     ),
     Mutation(

@@ -293,20 +293,13 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
     ``low``), and int8 weights (tiles as in :func:`_widened_task`) with float32 ``scale`` (N, G) and ``sums``
     (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`): each group's
     sum exact (int64, :func:`_group_dot`) until it is scaled. The weights ``ahead_bytes`` on are prefetched. Inlined
-    into its callers, with a loop of its own for one group per row (the default scales): a call per tile, and a loop
-    over groups per row, cost int8's short rows a measurable share of their time (docs/performance.md)."""
+    into its callers: a call per tile cost int8's short rows a measurable share of their time (docs/performance.md)."""
     K = high.shape[0]
     G = scale.shape[1]
     group = K // G
     gv = group - group % VECTOR
     j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
     w = weights[j].reshape(weights[j].size)  # flat: each row by its offset, no view per row
-    if G == 1:
-        for i in range(rows):
-            first, c = (r0 + i) * K, c0 + i
-            acc = _group_dot(high, low, w, first, 0, K, gv, sums[c, 0], ahead_bytes)
-            out[c] = np.float32(acc) * scale[c, 0] * step + bias[c]
-        return
     for i in range(rows):
         first, c = (r0 + i) * K, c0 + i
         total = np.float32(0.0)
