@@ -51,8 +51,8 @@ def last_level_cache_bytes(default: int = 32 << 20) -> int:
 
 @contextmanager
 def module_setting(module: ModuleType, name: str, value: object) -> Iterator[None]:
-    """``module.name`` set to ``value`` meanwhile (a kernel's switch, e.g. ``griffin.ops.matvec.cpu.PREFETCH_BYTES``),
-    restored after."""
+    """``module.name`` set to ``value`` meanwhile (a kernel's switch, e.g.
+    ``griffin.inference.cpu.matvec.PREFETCH_BYTES``), restored after."""
     saved = getattr(module, name)
     setattr(module, name, value)
     try:

@@ -21,14 +21,14 @@ One model is held at a time (float32, then bfloat16, then its int8 quantisation;
 one), so that a 2.7B model fits 24 GiB. A step is timed from one token to the next: after ``--warmup`` steps, the
 median of ``--steps`` steps. ``--profile`` adds torch.profiler's operators by self time per step (bfloat16 and int8,
 batch 1, the first model), the numba kernels (not aten operators) recorded under their own names. ``--unfused``
-also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.step`), its steps taken in
-turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host;
+also times each griffin run without the fused kernels of the step (:mod:`griffin.inference.cpu.fused`), its steps taken
+in turn with the fused run's (:func:`interleaved_steps`), so that the ratio of the two sees the same host;
 ``--kernel-by-kernel-too`` likewise each run whose step is one call per block (every run of one row, int8 runs of a
 few rows) with the fused step's kernels called one by one instead, and ``--prefetch-too`` each run of one row, and
 each int8 run of several (without AMX), with the kernels prefetching other distances of weights ahead than
-:data:`griffin.ops.matvec.cpu.PREFETCH_BYTES` (0, or ``--no-prefetch-too``: without the prefetch), and
+:data:`griffin.inference.cpu.matvec.PREFETCH_BYTES` (0, or ``--no-prefetch-too``: without the prefetch), and
 ``--no-tiles-too`` each int8 run of several rows through ``vpdpbusd`` instead of the tile unit (on a host with AMX,
-:data:`griffin.ops.matvec.isa.FAST_TILES`).
+:data:`griffin.inference.cpu.isa.FAST_TILES`).
 ``--split`` times the weight matmuls inside a step, the same calls alone, and the step without them.
 ``--int8-beside-bf16`` also times an int8 copy of each bfloat16 model beside it, their steps in turn: the int8 /
 bfloat16 ratio of one run sees one phase of the host (the int8 stage's ratio compares runs minutes apart).
@@ -67,11 +67,11 @@ import numba  # noqa: E402
 import torch  # noqa: E402
 
 from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
+from griffin.inference.cpu import matvec as matvec_cpu
+from griffin.inference.cpu.fused import FusedResidualBlock
+from griffin.inference.cpu.linear import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear, int8pack_for
+from griffin.inference.cpu.prepack import PackedLinear
 from griffin.inference.generate import decode_model, weight_bytes
-from griffin.inference.matvec import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear, int8pack_for
-from griffin.inference.prepack import PackedLinear
-from griffin.inference.step import FusedResidualBlock
-from griffin.ops.matvec import cpu as matvec_cpu
 from griffin.quantize import quantization_of, quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -192,7 +192,7 @@ def one_call_per_block(dtype: str, batch: int) -> bool:
 
 def kernel_by_kernel(model: CausalLM, batch: int) -> torch.nn.Module:
     """The decode copy for ``batch`` rows whose blocks call the fused step's kernels one by one, not in one call per
-    block (:class:`griffin.inference.step.FusedResidualBlock`'s ``one_call`` left out; where
+    block (:class:`griffin.inference.cpu.fused.FusedResidualBlock`'s ``one_call`` left out; where
     :func:`one_call_per_block`)."""
     copy = decode_model(model, batch)
     for block in copy.blocks:
@@ -238,7 +238,7 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
     step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import griffin.inference.step as fused_step
+    import griffin.inference.cpu.fused as fused_step
 
     labelled = [(MatvecLinear, "side_by_side", "matvec (numba)"),
                 (MatvecBlockDiagonal, "forward", "block-diagonal gates (numba)"),

@@ -5,10 +5,10 @@ rows, as a decode step of several sequences). For the weight shapes
 of a 1.3B Griffin (``griffin-1.3b``: the MLP's 2048 -> 6144 and 6144 -> 2048, the recurrent branch's 2048 -> 2560, the
 output layer's 2048 -> 32000) and each weight dtype, this script times, side by side in rounds:
 
-- ``griffin``: :func:`griffin.ops.matvec.cpu.matvec_cpu` as the decoder calls it (bfloat16 activations; on a host
+- ``griffin``: :func:`griffin.inference.cpu.matvec.matvec_cpu` as the decoder calls it (bfloat16 activations; on a host
   with AVX-512 BF16 / VNNI the one-row path through ``vdpbf16ps`` / ``vpdpbusd``);
 - ``griffin generic``: the same with ``GRIFFIN_MATVEC=generic``'s path (weights widened to float32 one by one);
-- ``griffin, no tiles``: int8 at several rows on a host with AMX (:data:`griffin.ops.matvec.isa.FAST_TILES`), the
+- ``griffin, no tiles``: int8 at several rows on a host with AMX (:data:`griffin.inference.cpu.isa.FAST_TILES`), the
   ``vpdpbusd`` kernel instead of the tile unit's;
 - ``griffin, no prefetch``: at one row, and int8 at several rows on a host with ``vpdpbusd`` but no AMX, the kernel
   without its prefetch of the weights ahead (``PREFETCH_BYTES = 0``);
@@ -18,7 +18,7 @@ output layer's 2048 -> 32000) and each weight dtype, this script times, side by 
 - ``sum``: a warm ``torch.sum`` over as many bytes of float32 ones, the read rate the kernel can at best reach.
 
 On a host with the instructions it also measures their own rate, one thread on operands in the L1 cache (the block
-of :func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`, and :func:`~griffin.ops.matvec.isa.dot_bf16`), and from it
+of :func:`griffin.inference.cpu.isa.dot_rows_uint16_int8`, and :func:`~griffin.inference.cpu.isa.dot_bf16`), and from it
 the most weights per second the cores can multiply against ``--batch`` rows when nothing waits for memory: int8 needs
 2 x batch ``vpdpbusd`` per 64 weights (one per byte of each row's int16 steps), bfloat16 batch ``vdpbf16ps`` per 32.
 
@@ -46,9 +46,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from griffin.ops.matvec import cpu as matvec_module  # noqa: E402
-from griffin.ops.matvec import isa, quantize_int8  # noqa: E402
-from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu  # noqa: E402
+from griffin.inference.cpu import isa  # noqa: E402
+from griffin.inference.cpu import matvec as matvec_module  # noqa: E402
+from griffin.inference.cpu.matvec import MatvecWeights, matvec_cpu  # noqa: E402
+from griffin.ops.matvec import quantize_int8  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import last_level_cache_bytes, machine_info, module_setting, progress, table, write_json  # noqa: E402
@@ -136,7 +137,7 @@ def candidates(rows: int, cols: int, dtype: str, copies: int, gen: torch.Generat
         return call
 
     def with_setting(name: str, value: object) -> Callable[[int], object]:
-        """The kernel with ``griffin.ops.matvec.cpu``'s ``name`` set to ``value`` for the call."""
+        """The kernel with ``griffin.inference.cpu.matvec``'s ``name`` set to ``value`` for the call."""
         def call(i: int) -> object:
             with module_setting(matvec_module, name, value):
                 return matvec_cpu(xg, prepared[i])

@@ -3,14 +3,14 @@
 For a preset (random weights, bfloat16 and its int8 quantisation), after a 16-token prompt, this script times side by
 side, in rounds (each path once per round, bfloat16 then int8), one decode step's pieces at one row:
 
-- ``stack``: :func:`griffin.ops.decode_step.stack_step` inside a real decode step (every residual block: the norms,
-  the RG-LRU or attention, the MLP, the four weight matmuls of each block, in the threads' shared phases);
-- ``matmuls alone``: the same blocks' weight matmuls only (:func:`griffin.ops.matvec.cpu.rows_task` over every tile,
-  the row prepared per matrix as the step prepares it), each thread its contiguous half of each matrix's tiles, with
-  no phase between the matrices: the stack without its other work and without waiting for the slower thread;
+- ``stack``: :func:`griffin.inference.cpu.block_step.stack_step` inside a real decode step (every residual block: the
+  norms, the RG-LRU or attention, the MLP, the four weight matmuls of each block, in the threads' shared phases);
+- ``matmuls alone``: the same blocks' weight matmuls only (:func:`griffin.inference.cpu.matvec.rows_task` over every
+  tile, the row prepared per matrix as the step prepares it), each thread its contiguous half of each matrix's tiles,
+  with no phase between the matrices: the stack without its other work and without waiting for the slower thread;
 - ``dots alone``: the dot-product intrinsics alone over the same rows in the same order
-  (:func:`griffin.ops.matvec.isa.dot_bf16`, :func:`~griffin.ops.matvec.isa.dot_uint16_int8`): the weight stream with
-  nothing per row or per tile but the dot product.
+  (:func:`griffin.inference.cpu.isa.dot_bf16`, :func:`~griffin.inference.cpu.isa.dot_uint16_int8`): the weight stream
+  with nothing per row or per tile but the dot product.
 
 The gaps read as: ``stack - matmuls alone`` what the step does besides its matmuls (and the threads' waits),
 ``matmuls alone - dots alone`` what the matvec tasks cost per tile and per row beyond the dot products. Medians over
@@ -33,11 +33,11 @@ import torch
 from numba import prange, types
 from numba.extending import overload
 
-import griffin.inference.step as step_module
+import griffin.inference.cpu.fused as step_module
 from griffin import CausalLM, Decoder, ModelConfig, prefill
+from griffin.inference.cpu.isa import DOT_INSTRUCTIONS, VECTOR, dot_bf16, dot_uint16_int8
+from griffin.inference.cpu.matvec import PREFETCH_BYTES, kernel_settings, prepare_rows, rows_buffers, rows_task
 from griffin.inference.generate import decode_model
-from griffin.ops.matvec.cpu import PREFETCH_BYTES, kernel_settings, prepare_rows, rows_buffers, rows_task
-from griffin.ops.matvec.isa import DOT_INSTRUCTIONS, VECTOR, dot_bf16, dot_uint16_int8
 from griffin.quantize import quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -73,7 +73,7 @@ class LanguageModelLoss(nn.Module):
 
 class ResidualBlocks(nn.ModuleList):
     """The residual blocks in order, each reading the one before's output (Figure 2a). A module of its own, so that a
-    decode copy can run them all at once by a module swap (:mod:`griffin.inference.step`)."""
+    decode copy can run them all at once by a module swap (:mod:`griffin.inference.cpu.fused`)."""
 
     def forward(self, x: Tensor, ctx: Context, cache: Cache | None = None) -> Tensor:
         for i, block in enumerate(self):

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from griffin import CausalLM, ModelConfig
+from griffin.inference.cpu import isa
+from griffin.inference.cpu import matvec as matvec_module
+from griffin.inference.cpu.linear import MatvecLinear
+from griffin.inference.cpu.prepack import PackedLinear
 from griffin.inference.generate import decode_model
-from griffin.inference.matvec import MatvecLinear
-from griffin.inference.prepack import PackedLinear
 from griffin.model import ResidualBlock
-from griffin.ops.matvec import cpu as matvec_module
-from griffin.ops.matvec import isa
 from griffin.quantize import quantize_int8
 from tests.benchmarks.test_inference_benchmark import load_benchmark
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from griffin.ops.matvec import isa
+from griffin.inference.cpu import isa
 from tests.benchmarks.test_inference_benchmark import load_benchmark
 
 

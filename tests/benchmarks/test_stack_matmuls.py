@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from griffin.ops.matvec import isa
+from griffin.inference.cpu import isa
 from tests.benchmarks.test_inference_benchmark import load_benchmark
 
 

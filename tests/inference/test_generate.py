@@ -7,8 +7,8 @@ import torch
 
 from griffin import Cache, CausalLM, Decoder, ModelConfig, generate, generate_stream, prefill
 from griffin.cache import cache_bytes
+from griffin.inference.cpu.prepack import PackedLinear, can_prepack
 from griffin.inference.generate import sample
-from griffin.inference.prepack import PackedLinear, can_prepack
 from tests.conftest import DEVICES, perturb_
 
 FAMILIES = ["mqa", "hawk", "griffin"]
@@ -305,7 +305,7 @@ def test_prepacked_decoder_is_the_forward_path_up_to_rounding(gen, family, dtype
     prompts = [torch.randint(0, 32, (n,), generator=gen).tolist()
                for n in torch.randint(1, 12, (batch,), generator=gen).tolist()]
     generic, fast, cache, copy = decode_both_ways(model, prompts, 15, gen, max_length=30, prepack=True)
-    if batch > 1:  # the default on CPU for several rows (one row: the matvec kernel, tests/inference/test_matvec.py)
+    if batch > 1:  # the default on CPU for several rows (one row: the matvec kernel, see tests/inference/cpu)
         assert isinstance(Decoder(model, copy).model.lm_head, PackedLinear)
     tol = 2e-5 if dtype == torch.float32 else 3e-2  # float32: a few 1e-6 after 15 steps; bfloat16: an ulp or two
     torch.testing.assert_close(fast, generic, atol=tol, rtol=tol)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from griffin import ModelConfig
-from griffin.inference.prepack import PackedLinear, can_prepack
+from griffin.inference.cpu.prepack import PackedLinear, can_prepack
 from griffin.layers import (
     CGLRU,
     RGLRU,

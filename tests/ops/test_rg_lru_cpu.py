@@ -77,7 +77,7 @@ def test_vectorizable_exp_is_accurate_and_keeps_nan():
     import numba
     import numpy as np
 
-    from griffin.ops.rg_lru.cpu import exp_vectorizable
+    from griffin.ops.jit import exp_vectorizable
 
     @numba.njit
     def apply(z):

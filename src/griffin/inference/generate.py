@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from griffin.cache import Cache
-from griffin.inference.matvec import Int8PackLinear, MatvecLinear, int8pack_for, matvec_swapped
-from griffin.inference.prepack import PackedLinear, can_prepack, prepacked
-from griffin.inference.step import FusedResidualBlock, fused_step_swapped
+from griffin.inference.cpu.fused import FusedResidualBlock, fused_step_swapped
+from griffin.inference.cpu.linear import Int8PackLinear, MatvecLinear, int8pack_for, matvec_swapped
+from griffin.inference.cpu.prepack import PackedLinear, can_prepack, prepacked
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
 
@@ -202,7 +202,7 @@ def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
     matmuls run through the matvec kernel (``matvec``; default on CPU: int8 models, and any model at one row, where
     its one-row path beats oneDNN's matmul; docs/performance.md "CPU decode at 1-3B") or oneDNN's prepacked weights
     (``prepack``; default: float CPU models at several rows), and (``fuse``) whose residual blocks run the element-wise
-    work of a step through fused kernels (:mod:`griffin.inference.step`); or ``model`` itself. A model already
+    work of a step through fused kernels (:mod:`griffin.inference.cpu.fused`); or ``model`` itself. A model already
     swapped is returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
     if is_swapped(model):
         return model
@@ -232,10 +232,10 @@ class Decoder:
     The weight matmuls, on CPU, run on a copy of the model that shares its tensors, made here (later changes of the
     weights are not seen): ``matvec`` (default: int8 models, and any model at one row; see :func:`decode_model`)
     reads each weight once, the layers that share an input fused into one call
-    (:func:`griffin.inference.matvec.matvec_swapped`); otherwise ``prepack`` (default: on CPU) holds the weights
-    laid out for oneDNN (:func:`griffin.inference.prepack.prepacked`), as large as the weights while the decoder
+    (:func:`griffin.inference.cpu.linear.matvec_swapped`); otherwise ``prepack`` (default: on CPU) holds the weights
+    laid out for oneDNN (:func:`griffin.inference.cpu.prepack.prepacked`), as large as the weights while the decoder
     lives (pass ``prepack=False`` where memory is tight). In that copy the residual blocks run the rest of a step
-    through fused kernels (:mod:`griffin.inference.step`). Both equal the plain path up to float32 rounding (and
+    through fused kernels (:mod:`griffin.inference.cpu.fused`). Both equal the plain path up to float32 rounding (and
     bfloat16's, rounded where the model rounds). An int8 model (:func:`griffin.quantize.quantize_int8`) decodes on
     CPU only. ``compile=True`` runs the step through ``torch.compile`` (CUDA graphs on GPU) with static shapes:
     attention then reads every preallocated slot, masked.

@@ -3,7 +3,7 @@
 Attention's query, key and value projections, the recurrent block's two branches and the MLP's two up-projections
 each read one input. :class:`LinearGroup` applies such layers to it and returns their outputs in order; the block
 calls the group rather than each layer, so that code outside the model (the decoder's module swaps,
-:mod:`griffin.inference.matvec`) can replace the group by one matmul over all the layers' weights.
+:mod:`griffin.inference.cpu.linear`) can replace the group by one matmul over all the layers' weights.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ instead of two or four is that much less time): the linear layer, the embedding 
 the RG-LRU's block-diagonal gates.
 
 Each holds ``weight`` (int8, the float layer's shape) and ``weight_scale`` (float32, one per output row and group of
-inputs; :mod:`griffin.ops.matvec.reference`), so a quantised model's state-dict names are the float model's plus one
+inputs; :mod:`griffin.ops.matvec`), so a quantised model's state-dict names are the float model's plus one
 ``.weight_scale`` per quantised matrix. Activations, biases and outputs stay in the model's dtype (a linear layer's
 output has its input's dtype; embedded rows are float32, cast by the model). The forward passes here are the
 reference (dequantise, then a float32 matmul, a bounded block of rows at a time); a decoder swaps in the CPU kernel
-that reads the int8 weights directly (:mod:`griffin.inference.matvec`).
+that reads the int8 weights directly (:mod:`griffin.inference.cpu.linear`).
 """
 
 from __future__ import annotations

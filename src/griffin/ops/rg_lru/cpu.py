@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 from torch import Tensor
 
+from griffin.ops.jit import exp_vectorizable, kernel, sigmoid_vectorizable
 from griffin.ops.rg_lru.reference import MAX_SQRT_GRADIENT
 from griffin.ops.scan.cpu import channel_chunk, empty_like_hugepages
 from griffin.ops.scan.reference import accumulation_dtype
@@ -33,48 +31,7 @@ from griffin.ops.scan.reference import accumulation_dtype
 _MIN_2U = 1.0 / MAX_SQRT_GRADIENT  # d sqrt(u)/du = 1 / max(2 sqrt(u), _MIN_2U), as sqrt_bound_derivative
 
 
-@intrinsic
-def _float64_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
-    """The float64 whose IEEE-754 bits are the int64 ``bits`` (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
-@numba.njit(inline="always")
-def exp_vectorizable(z):  # type: ignore[no-untyped-def]
-    """exp(z) in float64 from operations LLVM vectorises: z = n ln 2 + r with |r| <= ln(2) / 2 (ln 2 in two parts,
-    Cody-Waite), exp(r) by its Taylor polynomial of degree 12 (truncation below 2e-16), 2^n from its exponent
-    bits. Within a few ulp of exp on [-708, 709]; saturates outside (about 3e-308 below, 8e307 above); NaN stays
-    NaN."""
-    w = min(max(z, -708.0), 709.0)
-    n = math.floor(w * 1.4426950408889634 + 0.5)
-    r = (w - n * 6.93145751953125e-1) - n * 1.42860682030941723212e-6
-    p = 1.0 / 479001600.0  # 1/12!
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
-    e = p * _float64_from_bits((np.int64(n) + np.int64(1023)) << np.int64(52))
-    return e if z == z else z
-
-
-@numba.njit(inline="always")
-def sigmoid_vectorizable(z):  # type: ignore[no-untyped-def]
-    """1 / (1 + exp(-z)) through :func:`exp_vectorizable` (float64)."""
-    return 1.0 / (1.0 + exp_vectorizable(-z))
-
-
-@numba.njit(parallel=True, fastmath=False, cache=True)
+@kernel(parallel=True, fastmath=False)
 def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
     """h_t = a_t h_{t-1} + sqrt(1 - a_t^2) sigmoid(gx_t) x_t with log a_t = log_a_max sigmoid(ga_t), where
     log_a_max = -c softplus(Lambda) (a^c at r_t = 1); at a document start h_t = sigmoid(gx_t) x_t. y_t = h_t."""
@@ -102,7 +59,7 @@ def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
         h_last[n, lo:hi] = state
 
 
-@numba.njit(parallel=True, fastmath=False, cache=True)
+@kernel(parallel=True, fastmath=False)
 def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, dgx, dga, dlog_a_max, dh0):
     """Reverse scan with the gate derivatives; dlog_a_max[n, d] is batch row n's share of d/d log_a_max[d]."""
     batch, steps, dim = x.shape

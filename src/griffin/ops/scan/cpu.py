@@ -29,6 +29,7 @@ from numba import prange
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from griffin.ops.jit import kernel
 from griffin.ops.scan.reference import accumulation_dtype, check_scan_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -39,7 +40,7 @@ _HUGE_PAGE_MIN_BYTES = 32 * 2**20  # glibc's largest mmap threshold: smaller fre
 _LIBC = ctypes.CDLL(None) if sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") else None
 
 
-@numba.njit(parallel=True, fastmath=False, cache=True)
+@kernel(parallel=True, fastmath=False)
 def _forward_kernel(
     a: np.ndarray, b: np.ndarray, h0: np.ndarray, reset: np.ndarray, chunk: int, h: np.ndarray, h_last: np.ndarray
 ) -> None:
@@ -67,7 +68,7 @@ def _forward_kernel(
         h_last[n, lo:hi] = state
 
 
-@numba.njit(parallel=True, fastmath=False, cache=True)
+@kernel(parallel=True, fastmath=False)
 def _backward_kernel(
     a: np.ndarray,
     h: np.ndarray,

@@ -1,5 +1,5 @@
-"""griffin.ops.tasks: the phases of one parallel region run every task exactly once and end, whatever number of
-threads OpenMP gives the region (a residual block's decode step, griffin.ops.decode_step, relies on it)."""
+"""griffin.inference.cpu.tasks: the phases of one parallel region run every task exactly once and end, whatever number
+of threads OpenMP gives the region (a residual block's decode step, griffin.inference.cpu.block_step, relies on it)."""
 
 import json
 import os
@@ -12,8 +12,8 @@ PROGRAM = r"""
 import json, sys
 import numba, numpy as np
 from numba import prange
-from griffin.ops.matvec.cpu import PRANGE_ONLY
-from griffin.ops.tasks import claim, counters, finish, single, wait
+from griffin.inference.cpu.matvec import PRANGE_ONLY
+from griffin.inference.cpu.tasks import claim, counters, finish, single, wait
 
 @numba.njit(parallel=PRANGE_ONLY)
 def phases(x, workers, runs, order):

@@ -10,12 +10,14 @@ computes for one token per row without document starts or padding (every decode 
 dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
 before using them). A residual block's whole step is one call (:func:`recurrent_block_step`,
-:func:`attention_block_step`): these kernels around its four weight matmuls (:func:`griffin.ops.matvec.cpu.rows_task`),
-in one parallel region whose threads share their tasks (:mod:`griffin.ops.tasks`); a step's whole stack of blocks is one
-call (:func:`stack_step`). e^x and the sigmoid are the fused RG-LRU kernel's
-(:func:`griffin.ops.rg_lru.cpu.exp_vectorizable`: float64 arithmetic that LLVM vectorises, where ``np.exp`` is a scalar
-call). The references are the model's own layers (:class:`griffin.layers.RMSNorm`, :class:`griffin.layers.GatedMLP`,
-:class:`griffin.layers.RecurrentBlock`, :class:`griffin.layers.MultiQueryAttention`): tests compare the kernels to them.
+:func:`attention_block_step`): these kernels around its four weight matmuls
+(:func:`griffin.inference.cpu.matvec.rows_task`), in one parallel region whose threads share their tasks
+(:mod:`griffin.inference.cpu.tasks`); a step's whole stack of blocks is one call (:func:`stack_step`). e^x, the
+sigmoid and the bfloat16 rounding are :mod:`griffin.ops.jit`'s (float64 arithmetic that LLVM vectorises, where
+``np.exp`` is a scalar call).
+
+Each numba function that computes a layer's math names, in its docstring, the layer function it mirrors ("mirrors
+..."), and ``tests/inference/cpu/test_block_step.py`` compares the two on random inputs in float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -26,14 +28,12 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import prange, types
-from numba.core.errors import TypingError
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 from torch import Tensor
 
-from griffin.ops.matvec import cpu as matvec_module
-from griffin.ops.matvec.cpu import (
+from griffin.inference.cpu import matvec as matvec_module
+from griffin.inference.cpu.matvec import (
     PRANGE_ONLY,
     MatvecWeights,
     block_product,
@@ -41,43 +41,11 @@ from griffin.ops.matvec.cpu import (
     prepare_rows,
     rows_buffers,
     rows_task,
-    storage,
-    widen,
 )
-from griffin.ops.rg_lru.cpu import exp_vectorizable, sigmoid_vectorizable
-from griffin.ops.tasks import claim, counters, finish, single, wait
+from griffin.inference.cpu.tasks import claim, counters, finish, single, wait
+from griffin.ops.jit import exp_vectorizable, kernel, narrow, sigmoid_vectorizable, storage, widen
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
-
-
-@intrinsic
-def _bits_of_float32(typingctx, value):  # type: ignore[no-untyped-def]
-    """The IEEE-754 bits of the float32 ``value`` as a uint32 (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-def narrow(v, like):  # type: ignore[no-untyped-def]
-    """float32 ``v`` stored as ``like``'s type: bfloat16 bits (rounded to nearest even, as a cast), or float32."""
-    raise NotImplementedError  # numba only (the overload below)
-
-
-@overload(narrow, inline="always")
-def _narrow(v, like):  # type: ignore[no-untyped-def]
-    if like == types.uint16:
-        def to_bfloat16(v, like):  # type: ignore[no-untyped-def]
-            bits = _bits_of_float32(np.float32(v))
-            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            quiet = (bits >> np.uint32(16)) | np.uint32(0x40)  # a NaN stays a NaN
-            nan = np.int64((bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
-            return np.uint16(np.int64(rounded) + nan * (np.int64(quiet) - np.int64(rounded)))  # no branch: vectorised
-
-        return to_bfloat16
-    if like == types.float32:
-        return lambda v, like: np.float32(v)
-    raise TypingError(f"decode_step: no storage for values of type {like}")
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
@@ -110,14 +78,14 @@ def _normalise(r, scale, eps, out):  # type: ignore[no-untyped-def]
         out[d] = narrow(widen(r[d]) * inv * (np.float32(1.0) + widen(scale[d])), like)
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _rms_norm_kernel(x, scale, eps, out):  # type: ignore[no-untyped-def]
     """RMSNorm of each row of x (B, D) into out."""
     for b in range(x.shape[0]):
         _normalise(x[b], scale, eps, out[b])
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _add_rms_norm_kernel(x, delta, scale, eps, residual, out):  # type: ignore[no-untyped-def]
     """Per row: residual = x + delta (stored in residual's dtype), out = RMSNorm(residual)."""
     B, D = x.shape
@@ -143,7 +111,7 @@ def _gelu_rows(x, col, exact, out):  # type: ignore[no-untyped-def]
                 out_row[m] = narrow(_gelu(_rounded(widen(row[m]), like), False), like)
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
     """out (B, M) = GeLU(gate) * up for gate_up (B, 2M) = [gate, up], both first rounded to out's dtype (the model's
     layer outputs), the GeLU too."""
@@ -156,7 +124,7 @@ def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
             out_row[m] = narrow(widen(out_row[m]) * _rounded(widen(up[m]), like), like)
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """One token of the recurrent block between its projections (Figure 2c) for the channels of gate block ``blk``,
     for y_u (B, 2R) = [y, u] the rows of its two branches: the Conv1D step on u (``conv_state`` (B, K-1, R) holds the
@@ -205,7 +173,7 @@ def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w
             out_row[o] = narrow(_rounded(state, like) * widen(y_row[o]), like)
 
 
-@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@kernel(parallel=True, fastmath=True, error_model="numpy")
 def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """:func:`_recurrent_head` of every gate block, a task each."""
     for blk in prange(gx_w.shape[0]):
@@ -246,7 +214,7 @@ def _attention_check(k_cache, count, local):  # type: ignore[no-untyped-def]
             raise ValueError("attention_step: a global attention cache is full")
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """The new key (with RoPE) and value of each row of qkv written to its cache slot (local: a ring of S slots,
     slot count mod S; global: slot count), ``count`` advanced: before any query reads the cache."""
@@ -273,7 +241,7 @@ def _attention_task_count(k_cache, out, per_task):  # type: ignore[no-untyped-de
     return k_cache.shape[0] * Hk * -(-(out.shape[1] // d // Hk) // per_task)
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """Task ``task`` of the queries (after :func:`_attention_write`): a row b, a key/value head j and ``per_task`` of
     the query heads that share it, each (with RoPE) over the first ``slots`` slots that hold its document
@@ -357,7 +325,7 @@ def _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, seg
             o[i] = narrow(acc_v[g, i], like)
 
 
-@numba.njit(parallel=True, fastmath=True, error_model="numpy", cache=True)
+@kernel(parallel=True, fastmath=True, error_model="numpy")
 def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """One token of multi-query attention between its projections (Section 2.3), for qkv (B, (H + 2 H_kv) d) = [q, k,
     v] the rows of the three projections: :func:`_attention_write`, then :func:`_attention_task` of each row,
@@ -539,15 +507,15 @@ def _exact(approximation: str) -> bool:
 
 
 # A residual block's whole step in one call, and in one parallel region: these kernels' tasks around the block's four
-# weight matmuls (:func:`griffin.ops.matvec.cpu.rows_task`), in phases that the threads share
-# (:mod:`griffin.ops.tasks`). A call per block from Python instead of about eight (each with its checks, views and
-# allocations), and one wake-up of the sleeping threads instead of one per kernel (five or six per block).
+# weight matmuls (:func:`griffin.inference.cpu.matvec.rows_task`), in phases that the threads share
+# (:mod:`griffin.inference.cpu.tasks`). A call per block from Python instead of about eight (each with its checks, views
+# and allocations), and one wake-up of the sleeping threads instead of one per kernel (five or six per block).
 
 
 @numba.njit(inline="always")
 def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):  # type: ignore[no-untyped-def]
     """Phase ``phase``: out = x times the matrices m (:meth:`MatvecWeights.kernel_args`), a task per tile, x prepared
-    into ``buffers`` (:func:`griffin.ops.matvec.cpu.prepare_rows`) by a phase before."""
+    into ``buffers`` (:func:`griffin.inference.cpu.matvec.prepare_rows`) by a phase before."""
     tiles = m[1].shape[0]
     t = claim(c, phase, worker, tiles)
     while t < tiles:
@@ -660,7 +628,7 @@ def _mixer_buffers(x, mixer_in, mixer_out):  # type: ignore[no-untyped-def]
             rows_buffers(hidden), np.empty((B, D), np.float32))
 
 
-@numba.njit(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy", cache=True)
+@kernel(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy")
 def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, threads, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """A residual block with a recurrent temporal block (Figure 2a, c) for rows x (B, D) into out (B, D): one
     parallel region in which each of ``threads`` runs :func:`_recurrent_tasks`, then :func:`_mlp_tasks`."""
@@ -701,7 +669,7 @@ def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, 
     _projection_out(c, 4, worker, hidden, mixer_out, settings, out_buffers, mixed)
 
 
-@numba.njit(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy", cache=True)
+@kernel(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy")
 def _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cache, exact, settings, threads, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """A residual block with multi-query attention (Figure 2a, Section 2.3) for rows x (B, D) into out (B, D), the
     cache as :func:`_attention_kernel` takes it (a tuple): one parallel region in which each of ``threads`` runs
@@ -725,7 +693,7 @@ class BlockStep:
     """A residual block's weights as its one-call step reads them, prepared once (views, no copies): the two RMSNorms'
     scales and eps, the temporal block's input and output projections (``mixer_in``: the recurrent block's two
     branches or attention's q/k/v; ``mixer_out``) and the MLP's (``up``: its two branches; ``down``) as
-    :meth:`griffin.ops.matvec.cpu.MatvecWeights.kernel_args`, and whether the GeLU is exact."""
+    :meth:`griffin.inference.cpu.matvec.MatvecWeights.kernel_args`, and whether the GeLU is exact."""
 
     norms: tuple[np.ndarray, float, np.ndarray, float]
     mixer_in: tuple
@@ -868,7 +836,7 @@ def _check_attention_caches_impl(items):  # type: ignore[no-untyped-def]
     return check
 
 
-@numba.njit(fastmath=True, error_model="numpy", cache=True)
+@kernel(fastmath=True, error_model="numpy")
 def _stack_kernel(x, recurrent, attention, order, step, settings, threads, out):  # type: ignore[no-untyped-def]
     """The residual blocks in ``order`` ((kind, index in its list) per block) for rows x (B, D) into out (B, D), every
     global attention cache checked for room first (so that a full one stops the step before any block writes)."""

@@ -11,15 +11,15 @@ tensor, in which
 - the RG-LRU's block-diagonal gates (float or int8) are :class:`MatvecBlockDiagonal`,
 
 whether the weights are float32, bfloat16 or int8 (:mod:`griffin.quantize`). The kernel is
-:mod:`griffin.ops.matvec.cpu`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results equal
-the layers' own up to float32 rounding (the sums' order); the layers' biases and int8 scales are copied (concatenated)
-here, so later changes to those are not seen (make a new copy after training). With ``int8pack`` (the decoder's
-choice where :func:`int8pack_for` says so: beyond :data:`KERNEL_INT8_ROWS` rows, or several rows on a host without
-``vpdpbusd``), int8 layers of a bfloat16 model with per-channel scales and an input width divisible by 16 run instead
-through PyTorch's own int8 matmul (:class:`Int8PackLinear`), faster than the kernel's widened several-row path.
+:mod:`griffin.inference.cpu.matvec`; under ``torch.compile`` it is the opaque operator ``griffin::matvec``. Results
+equal the layers' own up to float32 rounding (the sums' order); the layers' biases and int8 scales are copied
+(concatenated) here, so later changes to those are not seen (make a new copy after training). With ``int8pack`` (the
+decoder's choice where :func:`int8pack_for` says so: beyond :data:`KERNEL_INT8_ROWS` rows, or several rows on a host
+without ``vpdpbusd``), int8 layers of a bfloat16 model with per-channel scales and an input width divisible by 16 run
+instead through PyTorch's own int8 matmul (:class:`Int8PackLinear`), faster than the kernel's widened several-row path.
 The :class:`griffin.inference.Decoder` uses this swap for int8 models and for float models decoding one row (the
 kernel's one-row path was about 1.6× as fast as oneDNN's matmul on the machine of docs/performance.md); float models
-decoding several rows go through oneDNN's prepacked matmuls (:mod:`griffin.inference.prepack`).
+decoding several rows go through oneDNN's prepacked matmuls (:mod:`griffin.inference.cpu.prepack`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from griffin.inference.cpu.isa import FAST_DOTS
+from griffin.inference.cpu.matvec import GATE_DTYPES, WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
 from griffin.layers import BlockDiagonalLinear, LinearGroup
 from griffin.layers.quantized import Int8BlockDiagonalLinear, Int8Linear, Int8TiedOutput
 from griffin.model import TiedOutput
-from griffin.ops.matvec.cpu import GATE_DTYPES, WEIGHT_DTYPES, MatvecWeights, block_diagonal_cpu, matvec_cpu
-from griffin.ops.matvec.isa import FAST_DOTS
 
 LINEAR_LAYERS = (nn.Linear, TiedOutput, Int8Linear, Int8TiedOutput)
 
@@ -90,8 +90,8 @@ class MatvecLinear(nn.Module):
 class MatvecBlockDiagonal(nn.Module):
     """A :class:`griffin.layers.BlockDiagonalLinear` (the RG-LRU's gates; float32 or bfloat16 weights, shared), or its
     int8 version (:class:`griffin.layers.quantized.Int8BlockDiagonalLinear`, with its scales), through
-    :func:`griffin.ops.matvec.cpu.block_diagonal_cpu`: each block's matrix read once per row, in place of a batched
-    matmul over the blocks."""
+    :func:`griffin.inference.cpu.matvec.block_diagonal_cpu`: each block's matrix read once per row, in place of a
+    batched matmul over the blocks."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -124,7 +124,7 @@ KERNEL_INT8_ROWS = 8  # up to this many rows, int8 layers decode through the ker
 def int8pack_for(batch_size: int) -> bool:
     """Whether the int8 layers of a decode step of ``batch_size`` rows go through PyTorch's int8 matmul
     (:class:`Int8PackLinear`) rather than the kernel: beyond :data:`KERNEL_INT8_ROWS` rows, or at several rows on a
-    host without the unsigned x signed byte instruction (:data:`griffin.ops.matvec.isa.FAST_DOTS`), where the kernel
+    host without the unsigned x signed byte instruction (:data:`griffin.inference.cpu.isa.FAST_DOTS`), where the kernel
     widens each weight to float32."""
     return batch_size > 1 and ("int8" not in FAST_DOTS or batch_size > KERNEL_INT8_ROWS)
 

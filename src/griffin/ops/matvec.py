@@ -83,7 +83,7 @@ INT16_MAX = 32767
 def quantize_row_int16(x: Tensor) -> tuple[Tensor, float]:
     """One input row (K,) as int16 steps of ``step`` = max |x| / 32767 (1 for a zero row; computed in float32),
     rounded to nearest even: the form in which the int8 kernel's ``vpdpbusd`` path multiplies it
-    (:mod:`griffin.ops.matvec.isa`). Each entry moves by at most step / 2, i.e. max |x| / 65534 (bfloat16 rounds
+    (:mod:`griffin.inference.cpu.isa`). Each entry moves by at most step / 2, i.e. max |x| / 65534 (bfloat16 rounds
     any entry above max |x| / 128 by more). x must be finite."""
     xf = x.detach().float()
     amax = xf.abs().max() if xf.numel() else torch.zeros(())

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from griffin import CausalLM, Decoder, ModelConfig, prefill
-from griffin.inference.matvec import MatvecBlockDiagonal, MatvecLinear, matvec_swapped
+from griffin.inference.cpu.isa import FAST_DOTS
+from griffin.inference.cpu.linear import MatvecBlockDiagonal, MatvecLinear, matvec_swapped
+from griffin.inference.cpu.matvec import block_diagonal_cpu
 from griffin.layers import BlockDiagonalLinear, LinearGroup
 from griffin.layers.quantized import Int8BlockDiagonalLinear
-from griffin.ops.matvec.cpu import block_diagonal_cpu
-from griffin.ops.matvec.isa import FAST_DOTS
 from griffin.quantize import quantize_int8
 from tests.conftest import perturb_, seed_torch
 
@@ -68,7 +68,7 @@ def test_int8_step_equals_int8_reference(gen, family, instructions, monkeypatch)
     float32 rounding. Through ``vpdpbusd``: each row is first rounded to int16 steps of 1/32767 of its largest entry
     (an error of at most half a step per entry), which moves the logits by more than float32 rounding: within 1e-3 of
     the largest logit (over 200 seeds per family the largest was 3.4e-4; a wrong sum or scale moves them by O(1))."""
-    import griffin.ops.matvec.cpu as kernel
+    import griffin.inference.cpu.matvec as kernel
 
     if instructions and "int8" not in kernel.FAST_DOTS:
         pytest.skip("this host has no unsigned x signed byte instruction (AVX-512 VNNI)")
@@ -208,7 +208,7 @@ def test_int8_bfloat16_step_through_pytorchs_int8_kernel(gen, family):
     own int8 matmul (the others through the numba kernel): the steps are as close to the int8 model's forward pass
     in float32 as its forward pass in bfloat16 (a fixed tolerance on the bfloat16 difference failed 2 seeds in 40:
     6 steps of bfloat16 rounding compound)."""
-    from griffin.inference.matvec import Int8PackLinear
+    from griffin.inference.cpu.linear import Int8PackLinear
 
     model = quantize_int8(tiny(family, gen, torch.bfloat16))
     swapped = matvec_swapped(model)
@@ -236,9 +236,9 @@ def test_one_row_decodes_through_the_kernel_by_default(gen):
     without PyTorch's int8 matmul); of several rows, float models go through oneDNN, and bfloat16 int8 layers through
     the kernel up to KERNEL_INT8_ROWS rows on a host with vpdpbusd, else through PyTorch's int8 matmul; an explicit
     prepack=True keeps oneDNN at one row too."""
+    from griffin.inference.cpu.linear import KERNEL_INT8_ROWS
+    from griffin.inference.cpu.prepack import PackedLinear
     from griffin.inference.generate import decode_model
-    from griffin.inference.matvec import KERNEL_INT8_ROWS
-    from griffin.inference.prepack import PackedLinear
 
     model = tiny("griffin", gen, torch.bfloat16)
     kinds = lambda m: {type(x).__name__ for x in m.modules()}  # noqa: E731

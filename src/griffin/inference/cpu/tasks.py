@@ -4,10 +4,10 @@ Section 5.1).
 Each numba ``prange`` loop is a parallel region of OpenMP, and where idle threads sleep (griffin's
 ``OMP_WAIT_POLICY=passive``) every region pays for waking them: tens of microseconds on a virtual machine, where a
 decode step's matmuls and kernels take a few each. So a block's step runs as one region in which every thread runs
-the same program (:func:`griffin.ops.decode_step`'s block kernels): a sequence of phases (the tiles of a matmul, the
-heads of the RG-LRU, a norm), each thread claiming the phase's next task (:func:`claim`: first from a contiguous share
-of its own, then from the others') until none is left, marking each done (:func:`finish`), then waiting until every
-task of the phase is done (:func:`wait`) before the next.
+the same program (:func:`griffin.inference.cpu.block_step`'s block kernels): a sequence of phases (the tiles of a
+matmul, the heads of the RG-LRU, a norm), each thread claiming the phase's next task (:func:`claim`: first from a
+contiguous share of its own, then from the others') until none is left, marking each done (:func:`finish`), then waiting
+until every task of the phase is done (:func:`wait`) before the next.
 
 A thread only waits for tasks that another thread has claimed and is running, and no task waits, so the program
 ends whatever number of threads OpenMP gives the region (one thread runs every task; a thread that starts late

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from griffin.ops.matvec import check_group_size, dequantize_int8, matvec_ref, quantize_int8
-from griffin.ops.matvec import cpu as matvec_module
-from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu, matvec_op, tiles_for
-from griffin.ops.matvec.isa import DOT_CHUNK, FAST_DOTS, FAST_TILES, VECTOR, tile_config, tile_dot_int8
-from griffin.ops.matvec.reference import quantize_row_int16
+from griffin.inference.cpu import matvec as matvec_module
+from griffin.inference.cpu.isa import DOT_CHUNK, FAST_DOTS, FAST_TILES, VECTOR, tile_config, tile_dot_int8
+from griffin.inference.cpu.matvec import MatvecWeights, matvec_cpu, matvec_op, tiles_for
+from griffin.ops.matvec import check_group_size, dequantize_int8, matvec_ref, quantize_int8, quantize_row_int16
 
 ROWS = (37, 16, 5)  # odd counts and a lone row: every tile shape, tiles ending inside a matrix
 K = 48
@@ -224,12 +223,12 @@ def test_group_size_must_divide_the_inputs():
 
 
 def test_prefetch_is_a_hint_that_reads_nothing_and_never_faults():
-    """:func:`griffin.ops.matvec.isa.prefetch` (the several-row int8 kernel's, up to a block past a matrix's end):
+    """:func:`griffin.inference.cpu.isa.prefetch` (the several-row int8 kernel's, up to a block past a matrix's end):
     any index, inside the array or far outside it, compiles to a hint; a non-contiguous array is refused."""
     import numba
     from numba.core.errors import TypingError
 
-    from griffin.ops.matvec.isa import prefetch
+    from griffin.inference.cpu.isa import prefetch
 
     @numba.njit
     def touch(w, lo, hi, step):
@@ -314,7 +313,7 @@ def test_tile_kernel_equals_the_vpdpbusd_kernel_bit_for_bit(gen, monkeypatch, k,
 
 def test_no_tiles_without_the_unit_or_when_asked(monkeypatch):
     """GRIFFIN_MATVEC=no-tiles (and =generic) turns the tile unit off; a host without it reports none."""
-    from griffin.ops.matvec import isa
+    from griffin.inference.cpu import isa
 
     for setting in ("no-tiles", "generic"):
         monkeypatch.setenv("GRIFFIN_MATVEC", setting)
@@ -326,7 +325,7 @@ def test_no_tiles_without_the_unit_or_when_asked(monkeypatch):
 
 ONE_ROW = """
 import sys, torch
-from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu
+from griffin.inference.cpu.matvec import MatvecWeights, matvec_cpu
 q = torch.full((3, 256), 127, dtype=torch.int8)
 for dtype in sys.argv[1:]:
     x = torch.full((1, 256), 3.0).to(getattr(torch, dtype))
@@ -348,7 +347,7 @@ def test_one_row_kernels_load_from_the_cache_in_every_specialisation(tmp_path):
 
 SETTINGS = """
 import torch
-from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu
+from griffin.inference.cpu.matvec import MatvecWeights, matvec_cpu
 x = torch.full((3, 256), 1e-6)
 x[:, 0] = 1.0
 prepared = MatvecWeights.prepare([torch.ones(2, 256, dtype=torch.int8)], [torch.ones(2, 1)])
@@ -376,8 +375,8 @@ def test_kernels_compiled_under_other_settings_follow_the_current_ones(tmp_path)
 GUARDED = """
 import ctypes, mmap, numpy as np, torch
 from griffin.ops.matvec import quantize_int8
-from griffin.ops.matvec.cpu import MatvecWeights, matvec_cpu
-from griffin.ops.matvec.reference import matvec_ref
+from griffin.inference.cpu.matvec import MatvecWeights, matvec_cpu
+from griffin.ops.matvec import matvec_ref
 rows, k, page = 3, 2 * 65536 + 136, mmap.PAGESIZE  # (three DOT_CHUNK pieces: where the bug showed)
 buffer = mmap.mmap(-1, 4 * page + rows * k)
 libc = ctypes.CDLL(None, use_errno=True)

@@ -1,5 +1,5 @@
 """Dot products through the x86 instructions that multiply-accumulate narrow numbers (AVX-512 BF16 and VNNI), as
-numba intrinsics for the matvec kernel (:mod:`griffin.ops.matvec.cpu`, Section 5.1).
+numba intrinsics for the matvec kernel (:mod:`griffin.inference.cpu.matvec`, Section 5.1).
 
 A decode step at one row reads each weight once and does one multiply-add with it. Widened to float32 one by one,
 the weights are consumed at a rate that leaves the memory system idle part of the time; these instructions take 32

@@ -1,20 +1,20 @@
-"""The fused decode step (griffin.inference.step): each residual block of the CPU decode copy runs its element-wise
-work through griffin.ops.decode_step, and equals the same copy without the fusion; every other input goes through
-the block as it is (Section 5)."""
+"""The fused decode step (griffin.inference.cpu.fused): each residual block of the CPU decode copy runs its element-wise
+work through griffin.inference.cpu.block_step, and equals the same copy without the fusion; every other input goes
+through the block as it is (Section 5)."""
 
 import copy
 
 import pytest
 import torch
 
-import griffin.inference.step as fused_step
+import griffin.inference.cpu.fused as fused_step
 from griffin import Decoder, prefill
+from griffin.inference.cpu.fused import FusedResidualBlock, FusedResidualBlocks, fused_step_swapped
+from griffin.inference.cpu.linear import matvec_swapped
 from griffin.inference.generate import decode_model
-from griffin.inference.matvec import matvec_swapped
-from griffin.inference.step import FusedResidualBlock, FusedResidualBlocks, fused_step_swapped
 from griffin.model import ResidualBlock
 from griffin.quantize import quantize_int8
-from tests.inference.test_matvec import tiny
+from tests.inference.cpu.test_linear import tiny
 
 FAMILIES = ["mqa", "hawk", "griffin"]
 
@@ -101,7 +101,7 @@ def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch)
 @torch.no_grad()
 def test_one_call_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype, batch, monkeypatch):
     """Where a block's four projections are matvec swaps (the decode copy at one row; at 3 rows the matvec copy,
-    which the decoder makes for int8 models), each block's step is one call (griffin.ops.decode_step's
+    which the decoder makes for int8 models), each block's step is one call (griffin.inference.cpu.block_step's
     recurrent_block_step and attention_block_step: the same kernels around the block's four matmuls, global attention
     and a local ring of 6 slots that wraps after the 9-token prompt): each block makes exactly one such call per step,
     and the logits and caches of 6 steps equal those of the same copy calling the kernels one by one. LLVM may
@@ -202,10 +202,10 @@ def test_autograd_goes_through_the_block(gen):
 @pytest.mark.parametrize("batch", [1, 3])
 @torch.no_grad()
 def test_stack_step_equals_the_block_by_block_step(gen, family, dtype, batch, monkeypatch):
-    """Where every block makes one call, a step runs the whole stack in one call (griffin.ops.decode_step.stack_step:
-    the same block kernels in the same order, from a compiled loop): once per step, with logits and caches of 6 steps
-    bit for bit those of the blocks called one by one from Python (recurrent only, attention only with a global
-    cache, and both with a local ring that wraps)."""
+    """Where every block makes one call, a step runs the whole stack in one call
+    (griffin.inference.cpu.block_step.stack_step: the same block kernels in the same order, from a compiled loop): once
+    per step, with logits and caches of 6 steps bit for bit those of the blocks called one by one from Python (recurrent
+    only, attention only with a global cache, and both with a local ring that wraps)."""
     int8 = dtype == "int8"
     model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
     model = quantize_int8(model) if int8 else model

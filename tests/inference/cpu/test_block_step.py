@@ -1,7 +1,7 @@
-"""The fused element-wise kernels of a CPU decode step (griffin.ops.decode_step) against their references, the model's
-own layers at one token per row (Section 5): RMSNorm with the residual add before it, the gated MLP's GeLU product,
-the recurrent block between its two projections (Conv1D step, block-diagonal gates, RG-LRU step, GeLU branch), and
-multi-query attention between its projections (RoPE, the cache write, the attention over the cache)."""
+"""The fused element-wise kernels of a CPU decode step (griffin.inference.cpu.block_step) against their references, the
+model's own layers at one token per row (Section 5): RMSNorm with the residual add before it, the gated MLP's GeLU
+product, the recurrent block between its two projections (Conv1D step, block-diagonal gates, RG-LRU step, GeLU branch),
+and multi-query attention between its projections (RoPE, the cache write, the attention over the cache)."""
 
 import copy
 
@@ -12,11 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from griffin import ModelConfig
-from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, RMSNorm
-from griffin.layers.quantized import Int8BlockDiagonalLinear
-from griffin.layers.recurrent_block import RecurrentState
-from griffin.layers.rope import rope_angles
-from griffin.ops.decode_step import (
+from griffin.inference.cpu.block_step import (
     BlockStep,
     RecurrentWeights,
     attention_block_step,
@@ -27,7 +23,11 @@ from griffin.ops.decode_step import (
     recurrent_step,
     rms_norm_step,
 )
-from griffin.ops.matvec.cpu import MatvecWeights
+from griffin.inference.cpu.matvec import MatvecWeights
+from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, RMSNorm
+from griffin.layers.quantized import Int8BlockDiagonalLinear
+from griffin.layers.recurrent_block import RecurrentState
+from griffin.layers.rope import rope_angles
 from tests.conftest import perturb_, seed_torch
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -3,20 +3,20 @@
 At a few rows (the batch of a decode step) ``x W^T`` is bound by reading W once: a 1-3B model reads 1-6 GB per
 token, while the arithmetic is a few multiply-adds per weight. The kernel streams each weight row once from memory
 in its stored format (float32, bfloat16 as its 16 bits, or int8 with float32 scales per group of inputs,
-:mod:`griffin.ops.matvec.reference`), widens it to float32 in registers and multiplies it with every input row
+:mod:`griffin.ops.matvec`), widens it to float32 in registers and multiplies it with every input row
 while it is in the L1 cache: at one input row, one weight row at a time (one accumulator chain, which LLVM
 vectorises best); at several, two weight rows against up to four input rows at a time, eight float32 accumulators
 that LLVM vectorises over the inputs (AVX2/AVX-512). Output rows are split among the threads in tiles of
 :data:`TILE` rows; several matrices that read the same input (attention's q/k/v, the MLP's two branches) are one
 call, one parallel region over the tiles of all of them, with no copy of the weights.
 
-On a host with AVX-512 BF16 / VNNI (:mod:`griffin.ops.matvec.isa`), bfloat16 weights times one bfloat16 row go
+On a host with AVX-512 BF16 / VNNI (:mod:`griffin.inference.cpu.isa`), bfloat16 weights times one bfloat16 row go
 through ``vdpbf16ps``, and int8 weights times any number of rows through ``vpdpbusd``, each row rounded to int16 steps
-of max |x| / 32767 (:func:`griffin.ops.matvec.reference.quantize_row_int16`, an error below bfloat16's own rounding of
+of max |x| / 32767 (:func:`griffin.ops.matvec.quantize_row_int16`, an error below bfloat16's own rounding of
 the row's larger entries; the sums over int8 weights are then exact integers): 32 or 64 weights per instruction
 instead of one widening and one multiply-add each, which is what kept the widened loop below the read bandwidth.
 Several rows are taken in blocks of 4 weight rows x 2 input rows, so that each loaded vector serves several
-instructions; where the host has Intel's AMX tiles (:data:`griffin.ops.matvec.isa.FAST_TILES`), several rows of int8
+instructions; where the host has Intel's AMX tiles (:data:`griffin.inference.cpu.isa.FAST_TILES`), several rows of int8
 go through them instead (:func:`_tile_unit_task`: 16 weight rows against the high and low bytes of 8 input
 rows per ``tdpbsud``, the same exact sums). The one-row kernels ask for the weights :data:`PREFETCH_BYTES` ahead.
 The RG-LRU's block-diagonal gates have their own kernel (:func:`block_diagonal_cpu`), which reads each block once
@@ -35,13 +35,12 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import prange, types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 from torch import Tensor
 
-from griffin.ops.matvec.isa import (
+from griffin.inference.cpu.isa import (
     DOT_CHUNK,
     DOT_INSTRUCTIONS,
     FAST_DOTS,
@@ -60,41 +59,19 @@ from griffin.ops.matvec.isa import (
     tile_config,
     tile_dot_int8,
 )
-from griffin.ops.matvec.reference import INT16_MAX
+from griffin.ops.jit import float32_from_bits, kernel, storage, widen
+from griffin.ops.matvec import INT16_MAX
 
 TILE = TILE_ROWS  # output rows per task (16: one AMX tile of weight rows, which the tile kernel relies on)
 # How far ahead (bytes of weights) the kernels prefetch (0: not at all), read at each call. At several rows, while a
 # block is read again from L1 for the next input rows, nothing else draws the next rows from memory; at one row the
 # hardware prefetcher does not cross the 4 KiB page a row's stream enters (docs/performance.md, "CPU decode at 1–3B").
-# The one-row bfloat16 and int8 kernels ask with each vector they load (griffin.ops.matvec.isa.dot_bf16), the others a
-# row's worth at the start of each row (_prefetch_row).
+# The one-row bfloat16 and int8 kernels ask with each vector they load (griffin.inference.cpu.isa.dot_bf16), the others
+# a row's worth at the start of each row (_prefetch_row).
 PREFETCH_BYTES = 1 << 16
 SLOTS = 4  # matrices per call the kernel is compiled for (fewer are padded, so that one compilation serves all)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
-
-
-@intrinsic
-def _float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
-    """The float32 whose IEEE-754 bits are the uint32 ``bits`` (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-def widen(v):  # type: ignore[no-untyped-def]
-    """A stored weight as float32: bfloat16 (its bits as uint16) shifted into the high half, int8 converted."""
-    raise NotImplementedError  # numba only (the overload below)
-
-
-@overload(widen, inline="always")
-def _widen(v):  # type: ignore[no-untyped-def]
-    if v == types.uint16:
-        return lambda v: _float32_from_bits(np.uint32(v) << np.uint32(16))
-    if v in (types.int8, types.float32):
-        return lambda v: np.float32(v)
-    raise TypingError(f"matvec: no widening for weights of type {v}")
 
 
 @numba.njit(inline="always", fastmath=True)
@@ -204,7 +181,7 @@ def _row(x, w0, s0, group, out, c, bias0):  # type: ignore[no-untyped-def]
 # is a function of its own (not inlined), compiled once for all its callers.
 
 
-@numba.njit(fastmath=True, cache=True)
+@kernel(fastmath=True)
 def _widened_task(t, x, weights, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
     """out = x W^T for tile t: x (B, K) float32; weights a tuple of (N_j, K) matrices of one storage type;
     tiles (T, 4) int64 rows (matrix j, its first row, the first output column, rows); scale (N, G) float32 and
@@ -234,7 +211,7 @@ def _prefetch_row(w, r, ahead_bytes):  # type: ignore[no-untyped-def]
             prefetch(w, q)
 
 
-@numba.njit(fastmath=True, cache=True)
+@kernel(fastmath=True)
 def _one_row_task(t, x, weights, tiles, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
     """out = x W^T for one input row, tile t: x (K,) float32, the weights and tiles as in :func:`_widened_task`,
     out (N,) float32. One weight row at a time, one accumulator chain per group, which LLVM vectorises over K; each
@@ -255,11 +232,11 @@ def _one_row_task(t, x, weights, tiles, scale, bias, ahead_bytes, out):  # type:
         out[c] = total + bias[c]
 
 
-@numba.njit(fastmath=True, cache=True)
+@kernel(fastmath=True)
 def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
     """out = x W^T + bias for one bfloat16 row x (K,) and bfloat16 weights, both as their uint16 bits, tile t (tiles
     as in :func:`_widened_task`; bias and out (N,) float32): the first K - K mod VECTOR inputs through ``vdpbf16ps``
-    (:func:`griffin.ops.matvec.isa.dot_bf16`), the rest widened; the weights ``ahead_bytes`` on prefetched."""
+    (:func:`griffin.inference.cpu.isa.dot_bf16`), the rest widened; the weights ``ahead_bytes`` on prefetched."""
     K = x.shape[0]
     kv = K - K % VECTOR
     j, r0, c0, rows = tiles[t, 0], tiles[t, 1], tiles[t, 2], tiles[t, 3]
@@ -276,7 +253,7 @@ def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: i
 def _group_dot(high, low, w, first, k0, group, gv, vector_sum, ahead_bytes):  # type: ignore[no-untyped-def]
     """The exact int64 sum of x[k] w[first + k] over the group [k0, k0 + group), x = u - 32768 and u = 256 high + low:
     over its first gv entries, whose weights sum to ``vector_sum``, u w - 32768 sum(w) through ``vpdpbusd``
-    (:func:`griffin.ops.matvec.isa.dot_uint16_int8`, in chunks of at most :data:`DOT_CHUNK`); the rest one product
+    (:func:`griffin.inference.cpu.isa.dot_uint16_int8`, in chunks of at most :data:`DOT_CHUNK`); the rest one product
     at a time."""
     acc = np.int64(vector_sum) * np.int64(-OFFSET)
     for d in range(0, gv, DOT_CHUNK):
@@ -289,7 +266,7 @@ def _group_dot(high, low, w, first, k0, group, gv, vector_sum, ahead_bytes):  # 
 @numba.njit(inline="always", fastmath=True)
 def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """out = step (x W^T, each group times its scale) + bias, tile t, for one row x (K,) of int16 steps of ``step``
-    (:func:`griffin.ops.matvec.reference.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
+    (:func:`griffin.ops.matvec.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
     ``low``), and int8 weights (tiles as in :func:`_widened_task`) with float32 ``scale`` (N, G) and ``sums``
     (N, G), the sums of each group's first group - group mod VECTOR weights (:func:`vector_sums`): each group's
     sum exact (int64, :func:`_group_dot`) until it is scaled. The weights ``ahead_bytes`` on are prefetched. Inlined
@@ -309,12 +286,12 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
         out[c] = total * step + bias[c]
 
 
-@numba.njit(fastmath=True, cache=True)
+@kernel(fastmath=True)
 def _rows_int8_task(t, high, low, steps, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """:func:`_one_row_int8_task` for B rows, each with its own int16 steps: ``high``, ``low`` (B', K) with
-    B' >= B a multiple of :data:`griffin.ops.matvec.isa.ROWS` (the rows past B are computed, not written out),
+    B' >= B a multiple of :data:`griffin.inference.cpu.isa.ROWS` (the rows past B are computed, not written out),
     ``steps`` (B,), out (B, N). A block of WEIGHT_ROWS weight rows against ROWS input rows at a time
-    (:func:`griffin.ops.matvec.isa.dot_rows_uint16_int8`); the weight rows stay in the L1 cache for the next input
+    (:func:`griffin.inference.cpu.isa.dot_rows_uint16_int8`); the weight rows stay in the L1 cache for the next input
     rows, while the block ``ahead_bytes`` of weights ahead (0: none) is prefetched into L2, a share at each pass. At
     the end of a tile the block repeats its last row (computed, not written out)."""
     B = out.shape[0]
@@ -372,11 +349,12 @@ def _word(row, k):  # type: ignore[no-untyped-def]
     return word
 
 
-@numba.njit(cache=True)
+@kernel()
 def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
     """packed (P, K / 4, 64) uint8, zeros on entry: for each block p of :data:`TILE_INPUTS` input rows, the high
-    bytes of its rows as columns 0-7 and the low bytes as columns 8-15 of :func:`griffin.ops.matvec.isa.tile_dot_int8`'s
-    input tile (the rows past B stay zero): column j of the tile's row k // 4 is the 4 bytes from k, one word."""
+    bytes of its rows as columns 0-7 and the low bytes as columns 8-15 of
+    :func:`griffin.inference.cpu.isa.tile_dot_int8`'s input tile (the rows past B stay zero): column j of the tile's row
+    k // 4 is the 4 bytes from k, one word."""
     B, K = high.shape
     words = packed.view(np.uint32)  # (P, K / 4, 16)
     for p in range(packed.shape[0]):
@@ -387,7 +365,7 @@ def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
                 words[p, q, TILE_INPUTS + j] = _word(low[p * TILE_INPUTS + j], 4 * q)
 
 
-@numba.njit(fastmath=True, cache=True)
+@kernel(fastmath=True)
 def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
     """out[:, c0 : c0 + rows] for the 16 weight rows of w from ``first`` (the tile's ``rows``, then padding), as
     :func:`_tile_unit_task` describes."""
@@ -422,9 +400,9 @@ def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, 
                 out[b, c0 + e] = total[e, m] * steps[b] + bias[c0 + e]
 
 
-@numba.njit(fastmath=True, cache=True)
+@kernel(fastmath=True)
 def _tile_unit_task(t, high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
-    """:func:`_rows_int8_task` through the tile unit (:func:`griffin.ops.matvec.isa.tile_dot_int8`): the tile's 16
+    """:func:`_rows_int8_task` through the tile unit (:func:`griffin.inference.cpu.isa.tile_dot_int8`): the tile's 16
     weight rows against each block of 8 input rows (``packed``, :func:`_pack_tile_columns`), the same exact int64
     sums and the same float32 operations after them, so the same bits (:func:`_tile_rows`). A tile of fewer rows (a
     matrix's last) is copied into 16 zero-padded rows first, so that no tile load reads past a matrix. (No prefetch:
@@ -443,7 +421,7 @@ def _tile_unit_task(t, high, low, packed, steps, weights, tiles, sums, scale, bi
 _TILE_CONFIG = tile_config()
 
 
-@numba.njit(cache=True)
+@kernel()
 def _quantize_rows_int16(x, high, low, steps):  # type: ignore[no-untyped-def]
     """:func:`_quantize_row_int16` of each row of x (B, K) into high, low and steps (B,); False if a row has an
     infinite or NaN entry."""
@@ -479,15 +457,15 @@ def _max_magnitude_impl(x):  # type: ignore[no-untyped-def]
             m = np.uint32(0)
             for k in range(bits.shape[0]):
                 m = max(m, np.uint32(bits[k] & np.uint32(0x7FFFFFFF)))
-            return _float32_from_bits(m), m < np.uint32(0x7F800000)
+            return float32_from_bits(m), m < np.uint32(0x7F800000)
 
         return float32
     raise TypingError(f"matvec: no int16 steps for rows of type {x.dtype}")
 
 
-@numba.njit(fastmath=False, cache=True)
+@kernel(fastmath=False)
 def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
-    """:func:`griffin.ops.matvec.reference.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits),
+    """:func:`griffin.ops.matvec.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits),
     the same float32 operations, written as the high and low bytes (K,) uint8 of u = x_int16 + 32768; returns the
     step, or 0 if x has an infinite or NaN entry."""
     amax, finite = _max_magnitude(x)
@@ -565,7 +543,7 @@ def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: igno
     return stored
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
+@kernel(parallel=True, fastmath=True)
 def _block_diagonal_kernel(x, w, scale, bias, out):  # type: ignore[no-untyped-def]
     """out[b, h Dout + o] = sum_i x[b, h Din + i] w[h, i, o] + bias[h, o], the RG-LRU's block-diagonal gates
     (Section 2.4): x (B, H Din) float32 (or bfloat16 bits), w (H, Din, Dout) as stored (float32 or bfloat16 bits, or
@@ -610,11 +588,6 @@ def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor, scale: Tensor | 
     if flat.shape[0]:
         _block_diagonal_kernel(_widen_view(flat), w, s, bias.numpy(), out.numpy())
     return out.reshape(*x.shape[:-1], H * Dout).to(x.dtype)
-
-
-def storage(t: Tensor) -> np.ndarray:
-    """The numpy view the kernels read and write (no copy): bfloat16 as its uint16 bits, other dtypes as they are."""
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def storage_view(weight: Tensor) -> np.ndarray:
@@ -713,9 +686,9 @@ def _widen_view(x: Tensor) -> np.ndarray:
 
 def kernel_settings() -> tuple[bool, bool, int, bool]:
     """(bfloat16, int8, ahead_bytes, tiles) for :func:`prepare_rows` and :func:`rows_task`, read now: whether to take
-    the host's bfloat16 and int8 instructions (:data:`griffin.ops.matvec.isa.FAST_DOTS`), :data:`PREFETCH_BYTES`,
-    and whether to take the tile unit (:data:`griffin.ops.matvec.isa.FAST_TILES` holds int8). The kernels are
-    compiled with every path the host has (:data:`griffin.ops.matvec.isa.DOT_INSTRUCTIONS`); these flags pick one at
+    the host's bfloat16 and int8 instructions (:data:`griffin.inference.cpu.isa.FAST_DOTS`), :data:`PREFETCH_BYTES`,
+    and whether to take the tile unit (:data:`griffin.inference.cpu.isa.FAST_TILES` holds int8). The kernels are
+    compiled with every path the host has (:data:`griffin.inference.cpu.isa.DOT_INSTRUCTIONS`); these flags pick one at
     each call, so that a kernel compiled (or cached) under other settings still follows the current ones."""
     return "bfloat16" in FAST_DOTS, "int8" in FAST_DOTS, int(PREFETCH_BYTES), "int8" in FAST_TILES
 
@@ -732,7 +705,8 @@ PRANGE_ONLY = dict(comprehension=False, reduction=False, inplace_binop=False, se
 def rows_buffers(x):  # type: ignore[no-untyped-def]
     """What :func:`prepare_rows` writes for rows x (B, K), allocated before a parallel region (its tasks share them):
     (path (1,) int64, x widened to float32 (B, K), high and low bytes of its int16 steps (B', K) uint8 zeros with B'
-    B rounded up to :data:`griffin.ops.matvec.isa.ROWS`, steps (B,) float32, the tile unit's packed input (zeros))."""
+    B rounded up to :data:`griffin.inference.cpu.isa.ROWS`, steps (B,) float32, the tile unit's packed input
+    (zeros))."""
     B, K = x.shape
     P = -(-B // TILE_INPUTS) if B > 1 else 0
     padded_rows = -(-B // ROWS) * ROWS
@@ -746,7 +720,7 @@ def prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
     :class:`MatvecWeights` holds them, and prepare x for it into ``buffers`` (:func:`rows_buffers`). ``settings`` is
     :func:`kernel_settings`: where it says so and the host has the instruction, one bfloat16 row times bfloat16
     weights through ``vdpbf16ps`` (:func:`_one_row_bf16_task`); int8 weights times rows rounded to int16 steps
-    (:func:`griffin.ops.matvec.reference.quantize_row_int16`) through ``vpdpbusd`` (one row:
+    (:func:`griffin.ops.matvec.quantize_row_int16`) through ``vpdpbusd`` (one row:
     :func:`_one_row_int8_task`; several: :func:`_rows_int8_task`) or, several rows where ``settings`` says tiles, the
     tile unit (:func:`_tile_unit_task`); anything else (and rows with an infinite or NaN entry, which int16 steps
     cannot hold) widened to float32 (one row: :func:`_one_row_task`; several: :func:`_widened_task`). Numba only."""
@@ -856,7 +830,7 @@ def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out): 
         t, buffers, arrays, tiles, scale, bias, settings, out)
 
 
-@numba.njit(parallel=PRANGE_ONLY, fastmath=True, cache=True)
+@kernel(parallel=PRANGE_ONLY, fastmath=True)
 def _matvec_rows_kernel(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
     """out (B, N) float32 = x (B, K) times the matrices: :func:`prepare_rows`, then the tasks of all tiles
     (:func:`rows_task`) in one parallel region."""

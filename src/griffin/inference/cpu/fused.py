@@ -4,16 +4,16 @@ A decode step of a 1-3B model reads its weights once, through the matvec kernels
 decode at 1–3B"); what the model computes around those matmuls, one token per row, took another 17-25 ms per 1.3B step
 at batch 1 in some 150 eager operators per layer. :func:`fused_step_swapped` replaces each residual block of a decode
 copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which runs a step
-through the kernels of :mod:`griffin.ops.decode_step` around the block's own (swapped) projections: the two RMSNorms and
-the residual add, the MLP's GeLU product, and everything between the temporal block's projections: for a recurrent block
-in one parallel region, for an attention block RoPE, the cache write and the attention. Where the block's four
-projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one call of those kernels
-and the matmuls, and one parallel region (:func:`griffin.ops.decode_step.recurrent_block_step`,
-:func:`~griffin.ops.decode_step.attention_block_step`), and where every block is, the list of blocks
+through the kernels of :mod:`griffin.inference.cpu.block_step` around the block's own (swapped) projections: the two
+RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections: for a
+recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Where the
+block's four projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one call of
+those kernels and the matmuls, and one parallel region (:func:`griffin.inference.cpu.block_step.recurrent_block_step`,
+:func:`~griffin.inference.cpu.block_step.attention_block_step`), and where every block is, the list of blocks
 (:class:`FusedResidualBlocks`) runs the whole stack in one call from Python
-(:func:`griffin.ops.decode_step.stack_step`). Anything else (a prompt, a document start or padding, a compiled step,
-gradients) goes through the block as it is, so the copy computes what the model computes, up to float32 rounding inside
-the kernels.
+(:func:`griffin.inference.cpu.block_step.stack_step`). Anything else (a prompt, a document start or padding, a compiled
+step, gradients) goes through the block as it is, so the copy computes what the model computes, up to float32 rounding
+inside the kernels.
 """
 
 from __future__ import annotations
@@ -21,14 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from griffin.inference.matvec import MatvecLinear
-from griffin.layers import MultiQueryAttention, RecurrentBlock
-from griffin.layers.attention import KVCache
-from griffin.layers.context import Context
-from griffin.layers.recurrent_block import RecurrentState
-from griffin.layers.rg_lru import RGLRU
-from griffin.model import ResidualBlock, ResidualBlocks
-from griffin.ops.decode_step import (
+from griffin.inference.cpu.block_step import (
     STEP_DTYPES,
     BlockStep,
     RecurrentWeights,
@@ -42,13 +35,20 @@ from griffin.ops.decode_step import (
     stack_blocks,
     stack_step,
 )
-from griffin.ops.matvec.cpu import GATE_DTYPES
+from griffin.inference.cpu.linear import MatvecLinear
+from griffin.inference.cpu.matvec import GATE_DTYPES
+from griffin.layers import MultiQueryAttention, RecurrentBlock
+from griffin.layers.attention import KVCache
+from griffin.layers.context import Context
+from griffin.layers.recurrent_block import RecurrentState
+from griffin.layers.rg_lru import RGLRU
+from griffin.model import ResidualBlock, ResidualBlocks
 
 
 def _gate(gate: nn.Module) -> tuple[Tensor, ...] | None:
     """A block-diagonal gate's (w (H, Din, Dout), b (H, Dout)), or (w, b, scale (H, Dout)) for int8 w, if the kernel
     reads them (float32 or bfloat16, or int8 with float32 scales; CPU, contiguous), whether the layer or its matvec
-    swap (:class:`griffin.inference.matvec.MatvecBlockDiagonal`)."""
+    swap (:class:`griffin.inference.cpu.linear.MatvecBlockDiagonal`)."""
     w, b = getattr(gate, "w", None), getattr(gate, "b", getattr(gate, "bias", None))
     scale = getattr(gate, "w_scale", None)
     if not isinstance(w, Tensor) or not isinstance(b, Tensor) or w.dim() != 3 or w.shape[1] != w.shape[2]:
@@ -71,7 +71,7 @@ def _side_by_side(group: nn.Module, x: Tensor) -> Tensor:
 
 class FusedResidualBlock(nn.Module):
     """A :class:`griffin.model.ResidualBlock` (its modules shared, under the same names) whose decode steps run
-    through :mod:`griffin.ops.decode_step` (see the module docstring)."""
+    through :mod:`griffin.inference.cpu.block_step` (see the module docstring)."""
 
     def __init__(self, block: ResidualBlock) -> None:
         super().__init__()
@@ -169,8 +169,8 @@ class FusedResidualBlock(nn.Module):
 class FusedResidualBlocks(ResidualBlocks):
     """:class:`griffin.model.ResidualBlocks` of :class:`FusedResidualBlock` whose decode steps, where every block
     makes one call (its projections matvec swaps), run the whole stack in one call from Python
-    (:func:`griffin.ops.decode_step.stack_step`), its weights and caches prepared once per cache. Anything else goes
-    through the blocks one by one."""
+    (:func:`griffin.inference.cpu.block_step.stack_step`), its weights and caches prepared once per cache. Anything else
+    goes through the blocks one by one."""
 
     def __init__(self, blocks: ResidualBlocks) -> None:
         super().__init__(blocks)
@@ -181,7 +181,7 @@ class FusedResidualBlocks(ResidualBlocks):
         self._stack: tuple[tuple, Stack] | None = None
 
     def _caches(self, cache) -> list[tuple] | None:  # type: ignore[no-untyped-def]
-        """Each block's cache tensors, as :func:`griffin.ops.decode_step.stack_blocks` takes them, or None if a
+        """Each block's cache tensors, as :func:`griffin.inference.cpu.block_step.stack_blocks` takes them, or None if a
         block's cache is not one the stack's kernels read."""
         caches = []
         for block, state in zip(self, cache.blocks, strict=True):

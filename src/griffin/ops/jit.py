@@ -1,0 +1,177 @@
+"""What the numba kernels share: the disk cache of their compilations, and the scalar helpers they inline.
+
+**The cache.** A kernel compiled once is kept on disk (in the ``__pycache__`` beside its file) and loaded by later
+processes. numba checks a cached compilation against the file that defines the kernel only, but griffin's kernels
+inline functions of other files (the decode step's kernels inline the matvec tasks, which inline the instructions of
+:mod:`griffin.inference.cpu.isa`): after such a file changed, the cached kernel would run the older code. So the
+kernels are declared with :func:`kernel` instead of ``numba.njit(cache=True)``: their cache entries are stamped with
+the digest of every kernel source (:data:`KERNEL_SOURCES`), and an entry whose stamp differs is compiled again and
+overwritten. Nothing is hashed or deleted on import: the digest is taken at a process's first compilation or cache
+lookup.
+
+**The helpers** (numba only): :func:`exp_vectorizable` and :func:`sigmoid_vectorizable` (an e^x that LLVM vectorises,
+where ``math.exp`` is a call to libm), :func:`widen` (a stored value as float32) and :func:`narrow` (a float32 as the
+model stores it: bfloat16 rounded to nearest even, as ``Tensor.to(torch.bfloat16)``), and :func:`storage` (the numpy
+view a kernel reads a tensor through).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.core import caching
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+
+PACKAGE = Path(__file__).resolve().parents[1]  # src/griffin
+KERNEL_SOURCES = ("ops", "inference/cpu")  # the folders (under the package) whose files kernels are compiled from
+
+
+@functools.cache
+def kernel_sources_digest() -> str:
+    """sha256 over the paths and contents of every ``.py`` file under :data:`KERNEL_SOURCES`."""
+    digest = hashlib.sha256()
+    for folder in KERNEL_SOURCES:
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class _StampedBySources:
+    """A numba cache locator mixin: the stamp a cache entry is checked against is the digest of every kernel
+    source, not of the kernel's own file."""
+
+    def get_source_stamp(self) -> str:
+        return kernel_sources_digest()
+
+
+class _KernelCacheImpl(caching.CompileResultCacheImpl):
+    _locator_classes = [type(f"Kernel{c.__name__}", (_StampedBySources, c), {})
+                        for c in caching.CompileResultCacheImpl._locator_classes]
+
+
+class _KernelCache(caching.FunctionCache):
+    _impl_class = _KernelCacheImpl
+
+
+def kernel(**options: object) -> Callable:
+    """``numba.njit(**options)`` whose compilations are cached on disk and valid while no kernel source changes
+    (see the module docstring)."""
+    if "cache" in options:
+        raise TypeError("kernel() always caches: leave out cache=")
+
+    def wrap(function: Callable) -> Callable:
+        dispatcher = numba.njit(**options)(function)
+        dispatcher._cache = _KernelCache(dispatcher.py_func)  # what Dispatcher.enable_caching sets, re-stamped
+        return dispatcher
+
+    return wrap
+
+
+def storage(t: torch.Tensor) -> np.ndarray:
+    """The numpy view the kernels read and write (no copy): bfloat16 as its uint16 bits, other dtypes as they are."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@intrinsic
+def _float64_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float64 whose IEEE-754 bits are the int64 ``bits`` (an LLVM bitcast)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 whose IEEE-754 bits are the uint32 ``bits`` (an LLVM bitcast)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def bits_of_float32(typingctx, value):  # type: ignore[no-untyped-def]
+    """The IEEE-754 bits of the float32 ``value`` as a uint32 (an LLVM bitcast)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@numba.njit(inline="always")
+def exp_vectorizable(z):  # type: ignore[no-untyped-def]
+    """exp(z) in float64 from operations LLVM vectorises: z = n ln 2 + r with |r| <= ln(2) / 2 (ln 2 in two parts,
+    Cody-Waite), exp(r) by its Taylor polynomial of degree 12 (truncation below 2e-16), 2^n from its exponent
+    bits. Within a few ulp of exp on [-708, 709]; saturates outside (about 3e-308 below, 8e307 above); NaN stays
+    NaN."""
+    w = min(max(z, -708.0), 709.0)
+    n = math.floor(w * 1.4426950408889634 + 0.5)
+    r = (w - n * 6.93145751953125e-1) - n * 1.42860682030941723212e-6
+    p = 1.0 / 479001600.0  # 1/12!
+    p = p * r + 1.0 / 39916800.0
+    p = p * r + 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    e = p * _float64_from_bits((np.int64(n) + np.int64(1023)) << np.int64(52))
+    return e if z == z else z
+
+
+@numba.njit(inline="always")
+def sigmoid_vectorizable(z):  # type: ignore[no-untyped-def]
+    """1 / (1 + exp(-z)) through :func:`exp_vectorizable` (float64)."""
+    return 1.0 / (1.0 + exp_vectorizable(-z))
+
+
+def widen(v):  # type: ignore[no-untyped-def]
+    """A stored value as float32: bfloat16 (its bits as uint16) shifted into the high half, int8 converted."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+@overload(widen, inline="always")
+def _widen(v):  # type: ignore[no-untyped-def]
+    if v == types.uint16:
+        return lambda v: float32_from_bits(np.uint32(v) << np.uint32(16))
+    if v in (types.int8, types.float32):
+        return lambda v: np.float32(v)
+    raise TypingError(f"widen: no widening for values of type {v}")
+
+
+def narrow(v, like):  # type: ignore[no-untyped-def]
+    """float32 ``v`` stored as ``like``'s type: bfloat16 bits (rounded to nearest even, as ``Tensor.to`` rounds),
+    or float32."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+@overload(narrow, inline="always")
+def _narrow(v, like):  # type: ignore[no-untyped-def]
+    if like == types.uint16:
+        def to_bfloat16(v, like):  # type: ignore[no-untyped-def]
+            bits = bits_of_float32(np.float32(v))
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            quiet = (bits >> np.uint32(16)) | np.uint32(0x40)  # a NaN stays a NaN
+            nan = np.int64((bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
+            return np.uint16(np.int64(rounded) + nan * (np.int64(quiet) - np.int64(rounded)))  # no branch: vectorised
+
+        return to_bfloat16
+    if like == types.float32:
+        return lambda v, like: np.float32(v)
+    raise TypingError(f"narrow: no storage for values of type {like}")
