@@ -19,14 +19,19 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+import griffin.threads
 from griffin.flops import cpu_name
+
+# The benchmarks run griffin's kernels as the griffin command does: idle OpenMP threads sleep (numba's runtime reads
+# this when its first parallel kernel runs; torch's read it when torch was imported, before this).
+griffin.threads.prefer_passive_openmp_wait()
 
 
 # Machine -----------------------------------------------------------------------------------------------------
 def machine_info(device: torch.device) -> dict[str, Any]:
     """CPU, cores, torch threads and version, device (and GPU name), load average, and the OpenMP settings that decide
-    how idle worker threads wait (griffin sets ``OMP_WAIT_POLICY=passive``; ``GOMP_SPINCOUNT`` makes them spin
-    first): what a result was measured on."""
+    how idle worker threads wait (the griffin command sets ``OMP_WAIT_POLICY=passive``; ``GOMP_SPINCOUNT`` makes them
+    spin first): what a result was measured on."""
     info: dict[str, Any] = dict(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads(),
                                 torch=torch.__version__, device=str(device), load_average=os.getloadavg(),
                                 openmp={k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")})

@@ -153,8 +153,10 @@ class Worker:
     def __init__(self, label: str, src: Path, threads: int, numba_cache: Path) -> None:
         # A numba cache of its own, empty: a kernel cached from an older version of a file it inlines from (numba
         # checks only the file that defines the kernel) would time the older code.
+        # Both versions wait as the griffin command makes OpenMP wait (older versions set it on import, newer ones
+        # in the command), before torch is imported.
         env = {**os.environ, "PYTHONPATH": str(src), "COMPARE_THREADS": str(threads),
-               "NUMBA_CACHE_DIR": str(numba_cache)}
+               "NUMBA_CACHE_DIR": str(numba_cache), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "passive")}
         self.label = label
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())

@@ -79,6 +79,9 @@ def test_generate_command(tmp_path, gen, capsys):
     assert capsys.readouterr().out.count("-" * 40) == 2
     assert main([*base, "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p=0.0" in capsys.readouterr().err
+    assert main([*base, "--prompt", "a", "--prompt", "b", "--save-state", str(tmp_path / "s2")]) == 2
+    assert "save_state needs a single prompt, not 2" in capsys.readouterr().err
+    assert not (tmp_path / "s2").exists()
 
 
 def test_generate_compiled_gives_the_same_greedy_text(tmp_path, gen, capsys):
@@ -108,6 +111,32 @@ def test_tokenizer_and_prepare_commands(tmp_path, capsys):
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 8
     assert main(["prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "d2")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+OPENMP_PROGRAM = """
+import os, sys
+import griffin, griffin.cli
+before = "torch" in sys.modules
+griffin.cli.main(["presets"])
+print(before, os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "passive"), ("active", "active")])
+def test_the_command_lets_openmp_threads_sleep_before_torch_loads(given, expected):
+    """`griffin` sets OMP_WAIT_POLICY=passive (the user's own setting wins) before torch is imported (torch's OpenMP
+    runtime reads it once, on loading): neither `import griffin` nor `import griffin.cli` imports torch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    done = subprocess.run([sys.executable, "-c", OPENMP_PROGRAM], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == f"False {expected}"
 
 
 # The CLI explains itself (issue 13) ------------------------------------------------------------------------------
@@ -183,7 +212,7 @@ def test_mistyped_names_get_suggestions(tmp_path, capsys):
     assert "did you mean train?" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "ckpt", "--dtype", "bfloat61"])
-    assert "did you mean bfloat16 or float16" in capsys.readouterr().err  # the closest first, of --dtype's only
+    assert "did you mean bfloat16 or float64 or float16?" in capsys.readouterr().err  # closest first, of --dtype's
     assert main(["info", "griffin-tny"]) == 2
     assert "no preset or checkpoint named 'griffin-tny'; did you mean griffin-tiny" in capsys.readouterr().err
     assert main(["train", "--preset", "hawk-cpuu", "--out", str(tmp_path / "run")]) == 2

@@ -1,21 +1,52 @@
-"""griffin: Hawk, Griffin and the MQA Transformer baseline (De et al., 2024) in PyTorch."""
+"""griffin: Hawk, Griffin and the MQA Transformer baseline (De et al., 2024) in PyTorch.
 
-import os
+The names below are imported on first use, so that ``import griffin`` (and ``import griffin.threads``) loads
+neither torch nor anything else: a program can make process-wide settings before torch starts
+(:func:`griffin.threads.prefer_passive_openmp_wait`).
+"""
 
-# OpenMP threads that wait for work sleep instead of spinning. Two OpenMP runtimes share the process (torch's bundled
-# libgomp and the system one under numba's parallel RG-LRU kernels), and spinning workers of one starve the other's
-# threads and, on a shared host, every other process (with the default, spinning, policy, forward passes, training
-# steps and decode steps on the 2-core development host ran several times slower: see this line's commit message).
-# Read by each runtime when it loads, so it takes effect only if griffin is imported before torch; the user's own
-# setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+from __future__ import annotations
 
-from griffin.cache import Cache  # noqa: E402
-from griffin.config import PRESETS, ModelConfig
-from griffin.inference import Decoder, generate, generate_stream, prefill
-from griffin.interop import load_pretrained, save_pretrained
-from griffin.model import CausalLM, count_parameters
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from griffin.cache import Cache
+    from griffin.config import PRESETS, ModelConfig
+    from griffin.inference import Decoder, generate, generate_stream, prefill
+    from griffin.interop import load_pretrained, save_pretrained
+    from griffin.loading import Loaded, load_for_use
+    from griffin.model import CausalLM, count_parameters
 
 __version__ = "0.1.0"
-__all__ = ["Cache", "CausalLM", "Decoder", "ModelConfig", "PRESETS", "count_parameters", "generate", "generate_stream",
-           "load_pretrained", "prefill", "save_pretrained"]
+
+_HOMES = {
+    "Cache": "griffin.cache",
+    "CausalLM": "griffin.model",
+    "Decoder": "griffin.inference",
+    "Loaded": "griffin.loading",
+    "ModelConfig": "griffin.config",
+    "PRESETS": "griffin.config",
+    "count_parameters": "griffin.model",
+    "generate": "griffin.inference",
+    "generate_stream": "griffin.inference",
+    "load_for_use": "griffin.loading",
+    "load_pretrained": "griffin.interop",
+    "prefill": "griffin.inference",
+    "save_pretrained": "griffin.interop",
+}
+__all__ = ["Cache", "CausalLM", "Decoder", "Loaded", "ModelConfig", "PRESETS", "count_parameters", "generate",
+           "generate_stream", "load_for_use", "load_pretrained", "prefill", "save_pretrained"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'griffin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -5,6 +5,9 @@ go on; argparse's usage errors too), printed as one line ``griffin CMD: error: M
 130 interrupted (the first Ctrl-C says how to resume, a second one stops at once); 141 the output pipe was closed
 (``griffin presets | head -1``), silently. Anything else is a bug and shows its traceback (exit 1). ``--debug`` shows
 the traceback of every error.
+
+This module imports neither torch nor the model at its top: :func:`main` makes the process's OpenMP setting
+(:func:`griffin.threads.prefer_passive_openmp_wait`) before anything loads torch.
 """
 
 from __future__ import annotations
@@ -21,13 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from griffin.threads import prefer_passive_openmp_wait
 
-from griffin.config import PAPER_SIZES, PRESETS, ModelConfig, nominal_size
-from griffin.data import VAL_FRACTION
-from griffin.model import count_parameters
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`
@@ -35,6 +33,9 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`
 
 def preset_table(markdown: bool = False) -> str:
     """Each preset's parameter count beside the paper's nominal size (models built on the meta device)."""
+    from griffin.config import PAPER_SIZES, PRESETS, nominal_size
+    from griffin.model import count_parameters
+
     nominal = {size: size.upper() for size in PAPER_SIZES}
     nominal.update({"cpu": "~1M", "synthetic": "~250K", "tiny": "a few K", "2b": "2.7B", "9b": "8.6B"})
     rows = []
@@ -60,7 +61,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from griffin.interop import detect_format, export_hf, load_pretrained, save_official, save_pretrained
+    from griffin.interop import DTYPES, detect_format, export_hf, load_pretrained, save_official, save_pretrained
     from griffin.parallel.checkpoint import is_sharded, load_sharded_model
 
     overrides = {}
@@ -89,7 +90,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from griffin.interop import quantize_checkpoint
+    from griffin.interop import DTYPES, quantize_checkpoint
 
     if not args.int8:
         raise ValueError("choose the quantisation: --int8 (weight-only int8, the one there is)")
@@ -102,7 +103,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from griffin.config import PRESETS, ModelConfig
     from griffin.interop import detect_format, load_pretrained
+    from griffin.model import count_parameters
 
     if args.path in PRESETS:
         cfg = ModelConfig.from_preset(args.path)
@@ -138,42 +141,21 @@ def _printable(text: str, final: bool) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _tokenizer_spec(spec: str, checkpoint: str) -> str:
-    """'auto': the tokenizer stored beside the checkpoint (``griffin train`` copies it there), else bytes."""
-    if spec != "auto":
-        return spec
-    directory = Path(checkpoint)
-    found = [directory / n for n in ("tokenizer.json", "tokenizer.model") if (directory / n).is_file()]
-    return str(found[0]) if found else "bytes"
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    from griffin.cache import Cache
-    from griffin.data.tokenizer import load_tokenizer
-    from griffin.inference.generate import check_sampling, decode_stream, prefill
-    from griffin.interop import load_pretrained
-    from griffin.quantize import quantization_of, quantize_int8
+    from griffin.data.tokenizer import encode_prompts
+    from griffin.inference.generate import check_sampling, decode_stream
+    from griffin.inference.state import prefill_with_state
+    from griffin.loading import load_for_use
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _read_prompts(args)
-    tokenizer = load_tokenizer(_tokenizer_spec(args.tokenizer, args.checkpoint))
-    model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype] if args.dtype else None)
-    if args.quantize == "int8" and quantization_of(model) is None:  # an int8 checkpoint is used as it is
-        model = quantize_int8(model, args.group_size, inplace=True)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                         f"{model.config.vocab_size}")
-    cache = Cache.load(args.load_state, model.config, model.device) if args.load_state else None
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and not args.no_bos and cache is None else []
-    rows = [bos + tokenizer.encode(p) for p in prompts]
-    if cache is not None and len(rows) > 1:
-        cache = cache.fork(len(rows))
-    if args.save_state and len(rows) > 1:
-        raise ValueError("--save-state needs a single prompt")
-    max_length = None if cache is not None else max(map(len, rows)) + args.max_new_tokens
-    logits, cache = prefill(model, rows, cache, max_length, args.chunk_size)
+    loaded = load_for_use(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, quantize=args.quantize,
+                          group_size=args.group_size)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    rows = encode_prompts(tokenizer, prompts, bos=not args.no_bos and not args.load_state)
+    logits, cache = prefill_with_state(model, rows, args.max_new_tokens, load_state=args.load_state,
+                                       save_state=args.save_state, chunk_size=args.chunk_size)
     if args.save_state:
-        cache.save(args.save_state)
         print(f"saved the state after {cache.length} tokens to {args.save_state}", file=sys.stderr)
     stops = list(args.stop_token or [])
     if tokenizer.eos_id is not None and not args.no_stop_at_eos:
@@ -302,9 +284,14 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from griffin.serve.options import run_from_args
+    from griffin.serve.options import config_from_args
 
-    return run_from_args(args)
+    try:
+        from griffin.serve.server import run
+    except ImportError as err:
+        raise ValueError(f"griffin serve needs the 'serve' extra ({err}): pip install -e '.[serve]'") from err
+    run(config_from_args(args))
+    return 0
 
 
 # The parser: help that explains itself ------------------------------------------------------------------------
@@ -431,6 +418,9 @@ EXAMPLES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``griffin`` parser with every sub-command (those of serve, synth, eval and plan from their packages)."""
+    from griffin.data import VAL_FRACTION
+    from griffin.interop import DTYPES
+
     parser = GriffinParser(prog="griffin", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"griffin {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -474,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
     p.add_argument("--tokenizer", default="auto",
                    help="'bytes' (byte-level), a tokenizer.json, a SentencePiece .model, or a directory holding one; "
-                        "'auto': the checkpoint directory's tokenizer if it holds one, else bytes")
+                        "'auto': the tokenizer stored beside the checkpoint (in its directory, or beside a .pt file), "
+                        "else bytes")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-file", help="a text file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after each prompt")
@@ -599,7 +590,9 @@ def _silence_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``griffin`` with ``argv`` and return the exit status (see the module docstring for the error policy)."""
+    """Run ``griffin`` with ``argv`` and return the exit status (see the module docstring for the error policy).
+    OpenMP's idle threads sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, set before torch loads)."""
+    prefer_passive_openmp_wait()
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     restore = _install_interrupt_handler()

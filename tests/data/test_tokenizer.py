@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from griffin.data.sources import valid_utf8
-from griffin.data.tokenizer import ByteTokenizer, HFTokenizer, SentencePieceTokenizer, load_tokenizer, train_bpe
+from griffin.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    encode_prompts,
+    load_tokenizer,
+    train_bpe,
+)
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "griffin mixes gated linear recurrences",
           "with local attention", "hawk is a pure recurrent model"] * 20
@@ -60,6 +67,28 @@ def test_bad_tokenizer_paths(tmp_path):
         load_tokenizer(tmp_path / "vocab.txt")
     with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor tokenizer.model"):
         load_tokenizer(tmp_path)
+
+
+def test_auto_is_the_tokenizer_beside_the_checkpoint_else_bytes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.pt").write_bytes(b"")
+    assert isinstance(load_tokenizer("auto", beside=ckpt), ByteTokenizer)  # none stored: byte-level
+    (ckpt / "corpus.txt").write_text("\n".join(CORPUS))
+    train_bpe([ckpt / "corpus.txt"], ckpt / "tokenizer.json", vocab_size=300)
+    for beside in (ckpt, ckpt / "model.pt"):  # a checkpoint directory, or a checkpoint file in it
+        tok = load_tokenizer("auto", beside=beside)
+        assert isinstance(tok, HFTokenizer) and tok.vocab_size == 300
+    with pytest.raises(ValueError, match="tokenizer 'auto' means the tokenizer beside a checkpoint"):
+        load_tokenizer("auto")
+
+
+def test_encode_prompts_puts_bos_first_when_asked_and_there_is_one(tmp_path):
+    (tmp_path / "corpus.txt").write_text("\n".join(CORPUS))
+    bpe = load_tokenizer(train_bpe([tmp_path / "corpus.txt"], tmp_path / "tokenizer.json", vocab_size=300))
+    assert encode_prompts(bpe, ["the fox", ""]) == [[bpe.bos_id, *bpe.encode("the fox")], [bpe.bos_id]]
+    assert encode_prompts(bpe, ["the fox"], bos=False) == [bpe.encode("the fox")]
+    assert encode_prompts(ByteTokenizer(), ["hi"]) == [[104, 105]]  # no BOS token to put
 
 
 # code point ranges for random text: ASCII, Latin-1, combining marks, Greek, Cyrillic, Arabic, Devanagari, Hangul,

@@ -12,7 +12,7 @@ from griffin import generate
 from griffin.interop import save_pretrained
 from griffin.quantize import quantization_of, quantize_int8
 from griffin.serve.options import ServeConfig, add_serve_arguments, config_from_args
-from griffin.serve.server import build_server, load_model
+from griffin.serve.server import build_server
 from griffin.serve.text import clean
 from tests.serve.conftest import start_server, tiny_model
 
@@ -21,6 +21,11 @@ def serve_config(*argv: str) -> ServeConfig:
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     return config_from_args(p.parse_args(list(argv)))
+
+
+def served_model(*argv: str):
+    """The model ``griffin serve ARGV`` serves (loaded by :func:`griffin.load_for_use`)."""
+    return build_server(serve_config(*argv)).engine.model
 
 
 def test_quantize_int8_serves_the_int8_model(gen, tmp_path):
@@ -34,7 +39,7 @@ def test_quantize_int8_serves_the_int8_model(gen, tmp_path):
         assert torch.equal(a, b), name  # the same int8 values and scales as quantising in memory
 
     save_pretrained(expected, tmp_path / "int8")  # an int8 checkpoint needs no flag
-    assert quantization_of(load_model(serve_config(str(tmp_path / "int8")))) == {"method": "int8", "group_size": 8}
+    assert quantization_of(served_model(str(tmp_path / "int8"))) == {"method": "int8", "group_size": 8}
 
     running = start_server(served)
     try:
@@ -51,17 +56,17 @@ def test_quantize_options_refused_by_name(gen, tmp_path):
     save_pretrained(tiny_model(gen), tmp_path / "float")
     save_pretrained(quantize_int8(tiny_model(gen)), tmp_path / "int8")
     ckpt = str(tmp_path / "float")
-    with pytest.raises(ValueError, match="CPU kernel only, not on --device meta"):
-        load_model(serve_config(ckpt, "--quantize", "int8", "--device", "meta"))
-    with pytest.raises(ValueError, match="int8 weights, which decode with the CPU kernel only, not on --device meta"):
-        load_model(serve_config(str(tmp_path / "int8"), "--device", "meta"))
+    with pytest.raises(ValueError, match="CPU kernel only, not on device 'meta'"):
+        served_model(ckpt, "--quantize", "int8", "--device", "meta")
+    with pytest.raises(ValueError, match="int8 weights, which decode with the CPU kernel only, not on device 'meta'"):
+        served_model(str(tmp_path / "int8"), "--device", "meta")
     with pytest.raises(ValueError, match="group_size=12 is not supported"):
-        load_model(serve_config(ckpt, "--quantize", "int8", "--group-size", "12"))
-    with pytest.raises(ValueError, match="--group-size 8 applies to --quantize int8 only"):
-        load_model(serve_config(ckpt, "--group-size", "8"))
+        served_model(ckpt, "--quantize", "int8", "--group-size", "12")
+    with pytest.raises(ValueError, match="group_size=8 applies to quantize='int8' only"):
+        served_model(ckpt, "--group-size", "8")
     with pytest.raises(ValueError, match="already quantised"):  # an int8 checkpoint is not quantised twice ...
-        quantize_int8(load_model(serve_config(str(tmp_path / "int8"))))
+        quantize_int8(served_model(str(tmp_path / "int8")))
     # ... but served as it is when --quantize int8 is given for it
-    assert quantization_of(load_model(serve_config(str(tmp_path / "int8"), "--quantize", "int8"))) is not None
+    assert quantization_of(served_model(str(tmp_path / "int8"), "--quantize", "int8")) is not None
     with pytest.raises(SystemExit):
         serve_config(ckpt, "--quantize", "int4")

@@ -119,17 +119,38 @@ class SentencePieceTokenizer:
         return self.sp.decode(list(ids))
 
 
-def load_tokenizer(spec: str | Path) -> Tokenizer:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # the names a tokenizer has in a directory, first found wins
+AUTO = "auto"  # the tokenizer stored with a checkpoint, else the byte-level one
+
+
+def tokenizer_file(directory: str | Path) -> Path | None:
+    """The tokenizer file ``directory`` holds (:data:`TOKENIZER_FILES`, ``tokenizer.json`` first), or None."""
+    directory = Path(directory)
+    return next((directory / n for n in TOKENIZER_FILES if (directory / n).is_file()), None)
+
+
+def load_tokenizer(spec: str | Path, beside: str | Path | None = None) -> Tokenizer:
     """``bytes`` for the byte-level tokenizer, a ``.json`` file for HF tokenizers, a ``.model`` file for
-    SentencePiece, or a directory holding ``tokenizer.json`` or ``tokenizer.model``."""
+    SentencePiece, or a directory holding ``tokenizer.json`` or ``tokenizer.model``.
+
+    ``auto`` (with ``beside``, a checkpoint directory or file): the tokenizer stored with the checkpoint, in its
+    directory or, for a checkpoint file, in the directory holding it (``griffin train`` copies it there); the
+    byte-level tokenizer when there is none."""
+    if str(spec) == AUTO:
+        if beside is None:
+            raise ValueError("tokenizer 'auto' means the tokenizer beside a checkpoint: name the checkpoint "
+                             "(beside=) or the tokenizer")
+        directory = Path(beside)
+        found = tokenizer_file(directory if directory.is_dir() else directory.parent)
+        return load_tokenizer(found) if found is not None else ByteTokenizer()
     if str(spec) == "bytes":
         return ByteTokenizer()
     path = Path(spec)
     if path.is_dir():
-        for name in ("tokenizer.json", "tokenizer.model"):
-            if (path / name).exists():
-                return load_tokenizer(path / name)
-        raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer.model")
+        found = tokenizer_file(path)
+        if found is None:
+            raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer.model")
+        return load_tokenizer(found)
     if not path.exists():
         raise FileNotFoundError(f"no tokenizer at {path} (use 'bytes' for the byte-level tokenizer)")
     if path.suffix == ".json":
@@ -137,6 +158,13 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
     raise ValueError(f"unrecognised tokenizer file {path}: expected .json (HF tokenizers) or .model (SentencePiece)")
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], bos: bool = True) -> list[list[int]]:
+    """The token ids of each prompt, after the tokenizer's BOS token when ``bos`` and it has one (a prompt that
+    starts a document; not one that continues a saved state)."""
+    first = [tokenizer.bos_id] if bos and tokenizer.bos_id is not None else []
+    return [first + tokenizer.encode(p) for p in prompts]
 
 
 BPE_SPECIAL_TOKENS = ("<bos>", "<eos>")

@@ -30,11 +30,11 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from griffin.data.tokenizer import Tokenizer
+from griffin.data.tokenizer import Tokenizer, load_tokenizer
 from griffin.evaluation.generation import generate_until
-from griffin.evaluation.loading import load_for_eval
 from griffin.evaluation.loss import token_losses
 from griffin.inference import prefill
+from griffin.loading import load_for_use
 from griffin.model import CausalLM
 
 NEWLINE_BYTE = 10  # the prefix token of byte-level models without BOS/EOS: documents start after a line break
@@ -80,21 +80,15 @@ class GriffinLM(TemplateLM):
         if model is None:
             if pretrained is None:
                 raise ValueError("the griffin model needs pretrained=CHECKPOINT (or model= in Python)")
-            model, tok = load_for_eval(pretrained, tokenizer if isinstance(tokenizer, str) else "auto", dtype,
-                                       device)
-            if not isinstance(tokenizer, str):
-                tok = tokenizer
+            loaded = load_for_use(pretrained, tokenizer=tokenizer, dtype=dtype, device=device)
+            model, tok = loaded.model, loaded.tokenizer
         else:
-            if isinstance(tokenizer, str):
-                from griffin.data.tokenizer import load_tokenizer
-
-                tok = load_tokenizer("bytes" if tokenizer == "auto" else tokenizer)
-            else:
-                tok = tokenizer
+            tok = load_tokenizer("bytes" if tokenizer == "auto" else tokenizer) if isinstance(tokenizer, str) \
+                else tokenizer
             model = model.eval()
-        if tok.vocab_size > model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
-                             f"{model.config.vocab_size}")
+            if tok.vocab_size > model.config.vocab_size:
+                raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
+                                 f"{model.config.vocab_size}")
         self.model, self.tokenizer = model, tok
         self._device = model.device
         self._batch_size = 16 if str(batch_size).startswith("auto") else _positive_int("batch_size", batch_size)

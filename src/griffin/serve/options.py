@@ -1,5 +1,5 @@
 """The options of ``griffin serve`` (argparse only: the command line builds its parser without importing the server's
-dependencies)."""
+dependencies, and :func:`griffin.serve.server.run` takes the :class:`ServeConfig` made here)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
     p.add_argument("--tokenizer", default=d.tokenizer,
                    help="'bytes', a tokenizer.json, a SentencePiece .model, or a directory holding one; 'auto': the "
-                        "checkpoint directory's tokenizer if it holds one, else bytes")
+                        "tokenizer stored beside the checkpoint (in its directory, or beside a .pt file), else bytes")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients give (default: the checkpoint directory's name)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
@@ -97,13 +97,3 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     fields = {k: getattr(args, k) for k in ServeConfig.__dataclass_fields__ if hasattr(args, k)}
     fields["dtype"] = DTYPES[args.dtype] if args.dtype else None
     return ServeConfig(**fields)
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """``griffin serve``: serve until interrupted."""
-    try:
-        from griffin.serve.server import run
-    except ImportError as err:
-        raise ValueError(f"griffin serve needs the 'serve' extra ({err}): pip install -e '.[serve]'") from err
-    run(config_from_args(args))
-    return 0
