@@ -48,6 +48,7 @@ import argparse
 import copy
 import ctypes
 import gc
+import itertools
 import mmap
 import os
 import statistics
@@ -71,7 +72,7 @@ from griffin.inference.cpu import matvec as matvec_cpu
 from griffin.inference.cpu.fused import FusedResidualBlock
 from griffin.inference.cpu.linear import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear, int8pack_for
 from griffin.inference.cpu.prepack import PackedLinear
-from griffin.inference.generate import decode_model, weight_bytes
+from griffin.inference.generate import decode_model
 from griffin.quantize import quantization_of, quantize_int8
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -183,16 +184,22 @@ def huge_page_copy(model: CausalLM) -> CausalLM:
     return hp
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what a decode step reads, caches aside)."""
+    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def one_call_per_block(dtype: str, batch: int) -> bool:
-    """Whether the decode copy's blocks each make one call per step (their projections are the matvec kernel's: any
+    """Whether the decode copy's stack of blocks is one call per step (their projections are the matvec kernel's: any
     model at one row, int8 at a few rows where the host has ``vpdpbusd``;
     :func:`griffin.inference.generate.decode_model`)."""
     return batch == 1 or (dtype == "int8" and not int8pack_for(batch))
 
 
 def kernel_by_kernel(model: CausalLM, batch: int) -> torch.nn.Module:
-    """The decode copy for ``batch`` rows whose blocks call the fused step's kernels one by one, not in one call per
-    block (:class:`griffin.inference.cpu.fused.FusedResidualBlock`'s ``one_call`` left out; where
+    """The decode copy for ``batch`` rows whose blocks call the fused step's kernels one by one, not the stack's one
+    call (:class:`griffin.inference.cpu.fused.FusedResidualBlock`'s ``one_call`` left out; where
     :func:`one_call_per_block`)."""
     copy = decode_model(model, batch)
     for block in copy.blocks:
@@ -233,8 +240,8 @@ MATMULS = {MatvecLinear: "side_by_side", MatvecBlockDiagonal: "forward", PackedL
 def profile_steps(loop: Callable, top: int) -> list[dict]:
     """torch.profiler's operators by self CPU time per step over one run of ``loop`` (the prefill and the first
     step left out); the numba kernels' calls appear under their own names (``matvec (numba)``, ``block-diagonal gates
-    (numba)``, the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``, its residual
-    blocks' one call each, and at one row the one call of the whole stack of blocks, their matmuls included), and the
+    (numba)``, the fused step's ``RMSNorm``, ``GeLU product``, ``recurrent block`` and ``attention``, and where the
+    projections are the matvec kernel's the one call of the whole stack of blocks, their matmuls included), and the
     step's wall time not spent in any operator (Python, dispatch, waiting threads) as ``outside operators``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -246,8 +253,6 @@ def profile_steps(loop: Callable, top: int) -> list[dict]:
                 (fused_step, "gelu_product_step", "GeLU product (numba)"),
                 (fused_step, "recurrent_step", "recurrent block (numba)"),
                 (fused_step, "attention_step", "attention (numba)"),
-                (fused_step, "recurrent_block_step", "recurrent residual block, one call (numba)"),
-                (fused_step, "attention_block_step", "attention residual block, one call (numba)"),
                 (fused_step, "stack_step", "residual blocks, one call per step (numba)")]
     originals = [getattr(owner, name) for owner, name, _ in labelled]
 

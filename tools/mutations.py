@@ -175,7 +175,7 @@ MUTATIONS = [
         "src/griffin/inference/cpu/block_step.py",
         "            residual[b, d] = narrow(widen(x[b, d]) + _rounded(mixed[b, d], like), like)",
         "            residual[b, d] = narrow(widen(x[b, d]) + mixed[b, d], like)",
-        ("tests/inference/cpu/test_fused.py::test_one_call_block_step_equals_the_kernel_by_kernel_step",
+        ("tests/inference/cpu/test_fused.py::test_stack_step_equals_the_kernel_by_kernel_step",
          "tests/inference/cpu/test_fused.py::test_fused_step_equals_the_unfused_copy"),
     ),
     Mutation(

@@ -9,7 +9,6 @@ the decoder checks the cache once, swaps in fast matmuls and fused blocks on CPU
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -185,12 +184,6 @@ def _decode_forward(model: nn.Module, tokens: Tensor, cache: Cache) -> Tensor:
     return model(tokens[:, None], cache=cache)[:, -1]
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (what a decode step reads, caches aside)."""
-    tensors = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def is_swapped(model: nn.Module) -> bool:
     """Whether ``model`` is already a decode copy (:func:`decode_model`): its matmuls swapped for the CPU kernels."""
     return any(isinstance(m, (Int8PackLinear, MatvecLinear, PackedLinear, FusedResidualBlock)) for m in model.modules())
@@ -200,15 +193,17 @@ def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
                  matvec: bool | None = None, fuse: bool = True) -> nn.Module:
     """The model a decode step of ``batch_size`` rows runs (see :class:`Decoder`): a copy sharing its tensors whose
     matmuls run through the matvec kernel (``matvec``; default on CPU: int8 models, and any model at one row, where
-    its one-row path beats oneDNN's matmul; docs/performance.md "CPU decode at 1-3B") or oneDNN's prepacked weights
-    (``prepack``; default: float CPU models at several rows), and (``fuse``) whose residual blocks run the element-wise
+    its one-row path beats oneDNN's matmul; docs/performance.md "CPU decode at 1-3B"; and float models whose weights
+    oneDNN cannot hold on this CPU) or oneDNN's prepacked weights (``prepack``; default: float CPU models at several
+    rows), and (``fuse``) whose residual blocks run the element-wise
     work of a step through fused kernels (:mod:`griffin.inference.cpu.fused`); or ``model`` itself. A model already
     swapped is returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
     if is_swapped(model):
         return model
     quantized = quantization_of(model) is not None
-    if matvec is None:
-        matvec = model.device.type == "cpu" and (quantized or (batch_size == 1 and not prepack))
+    if matvec is None:  # (and where oneDNN cannot hold the weights on this CPU: bfloat16 without AVX-512)
+        matvec = model.device.type == "cpu" and (quantized or (batch_size == 1 and not prepack)
+                                                 or (not prepack and not can_prepack(model.output_weight)))
     if prepack is None:
         prepack = not matvec and not quantized and can_prepack(model.output_weight)
     if matvec:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from numba.extending import register_jitable
 from torch import Tensor, nn
 
 from griffin.config import ModelConfig
@@ -14,6 +15,14 @@ from griffin.layers.context import EMPTY, Context
 from griffin.layers.linear_group import LinearGroup
 from griffin.layers.rope import apply_rope
 from griffin.ops.attention import fused_sdpa, masked_attention, sliding_window_attention
+
+
+@register_jitable
+def cache_slot(step, slots, local):
+    """The slot that holds a row's step ``step`` (an int or an integer tensor) in a key/value cache of ``slots`` slots:
+    step mod slots in a local block's ring, step itself in a global cache. The one place this is computed, for the
+    model's attention and for the CPU decode engine's kernels alike (numba compiles it into them)."""
+    return step % slots if local else step
 
 
 @dataclass
@@ -121,17 +130,17 @@ class MultiQueryAttention(nn.Module):
         S = cache.k.shape[1]
         steps = cache.count[:, None] + torch.arange(T, device=q.device)  # each row's step of each new token
         if T == 1:
-            cache.write(steps % S, k, v, segments)
+            cache.write(cache_slot(steps, S, True), k, v, segments)
             visible = cache.segment[:, None, :] == segments[:, :, None]  # (B, 1, S)
             out = masked_attention(q, cache.k, cache.v, visible, self.head_dim**-0.5)
         else:
-            order = (cache.count[:, None] + torch.arange(S, device=q.device)) % S  # oldest slot first
+            order = cache_slot(cache.count[:, None] + torch.arange(S, device=q.device), S, True)  # oldest slot first
             rows = torch.arange(B, device=q.device)[:, None]
             keys, values = torch.cat([cache.k[rows, order], k], 1), torch.cat([cache.v[rows, order], v], 1)
             k_seg = torch.cat([cache.segment[rows, order], segments], 1)
             out = sliding_window_attention(q, keys, values, S, self.head_dim**-0.5, segments, k_seg)
             last = slice(max(0, T - S), T)  # the chunk's newest tokens replace the oldest
-            cache.write(steps[:, last] % S, k[:, last], v[:, last], segments[:, last])
+            cache.write(cache_slot(steps[:, last], S, True), k[:, last], v[:, last], segments[:, last])
         cache.count.add_(T)
         return out
 
@@ -140,8 +149,8 @@ class MultiQueryAttention(nn.Module):
         """Global attention: the new tokens are written at their steps' slots, then each query attends to the slots
         of its document up to its own step (only the first ``cache_len`` slots, which hold every token, if given)."""
         T = q.shape[1]
-        steps = cache.count[:, None] + torch.arange(T, device=q.device)  # (B, T), also the slots written
-        cache.write(steps, k, v, segments)
+        steps = cache.count[:, None] + torch.arange(T, device=q.device)  # (B, T)
+        cache.write(cache_slot(steps, cache.k.shape[1], False), k, v, segments)
         cache.count.add_(T)
         n = cache.k.shape[1] if cache_len is None else min(cache_len, cache.k.shape[1])
         slot = torch.arange(n, device=q.device)

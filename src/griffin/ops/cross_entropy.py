@@ -35,7 +35,7 @@ def _capped_logits(h: Tensor, weight: Tensor, cap: float, acc: torch.dtype) -> T
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, cap: float, chunk: int,  # type: ignore[override]
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, cap: float, chunk: int,
                 dtype: torch.dtype) -> Tensor:
         h_c, w_c = h.to(dtype), weight.to(dtype)  # the matmul's dtype (autocast's, under autocast)
         acc = torch.promote_types(dtype, torch.float32)  # the rest: float32 or wider
@@ -53,7 +53,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, dloss: Tensor):  # type: ignore[override]
+    def backward(ctx, dloss: Tensor):
         h, weight, targets, lse = ctx.saved_tensors
         cap, chunk, dtype = ctx.cap, ctx.chunk, ctx.dtype
         h_c, w_c = h.to(dtype), weight.to(dtype)

@@ -32,6 +32,8 @@ from numba.core import caching
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
+from griffin.threads import prefer_passive_openmp_wait
+
 PACKAGE = Path(__file__).resolve().parents[1]  # src/griffin
 KERNEL_SOURCES = ("ops", "inference/cpu")  # the folders (under the package) whose files kernels are compiled from
 
@@ -77,40 +79,55 @@ def kernel(**options: object) -> Callable:
     return wrap
 
 
+_PARALLEL_READY = False
+
+
+def parallel_ready() -> None:
+    """Called by each entry point before it runs a parallel kernel. At the first call, idle OpenMP threads are made to
+    sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, unless the program set ``OMP_WAIT_POLICY`` itself):
+    numba's OpenMP runtime reads the setting when it starts, at its first parallel kernel, so a program using the
+    library gets the griffin command's setting for it without a call of its own. (Spinning idle workers of numba's
+    runtime and torch's starve each other's threads.)"""
+    global _PARALLEL_READY
+    if not _PARALLEL_READY:
+        prefer_passive_openmp_wait()
+        _PARALLEL_READY = True
+
+
 def storage(t: torch.Tensor) -> np.ndarray:
     """The numpy view the kernels read and write (no copy): bfloat16 as its uint16 bits, other dtypes as they are."""
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 @intrinsic
-def _float64_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def _float64_from_bits(typingctx, bits):
     """The float64 whose IEEE-754 bits are the int64 ``bits`` (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.DoubleType())
 
     return types.float64(types.int64), codegen
 
 
 @intrinsic
-def float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def float32_from_bits(typingctx, bits):
     """The float32 whose IEEE-754 bits are the uint32 ``bits`` (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
 
 
 @intrinsic
-def bits_of_float32(typingctx, value):  # type: ignore[no-untyped-def]
+def bits_of_float32(typingctx, value):
     """The IEEE-754 bits of the float32 ``value`` as a uint32 (an LLVM bitcast)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(types.float32), codegen
 
 
 @numba.njit(inline="always")
-def exp_vectorizable(z):  # type: ignore[no-untyped-def]
+def exp_vectorizable(z):
     """exp(z) in float64 from operations LLVM vectorises: z = n ln 2 + r with |r| <= ln(2) / 2 (ln 2 in two parts,
     Cody-Waite), exp(r) by its Taylor polynomial of degree 12 (truncation below 2e-16), 2^n from its exponent
     bits. Within a few ulp of exp on [-708, 709]; saturates outside (about 3e-308 below, 8e307 above); NaN stays
@@ -136,18 +153,18 @@ def exp_vectorizable(z):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def sigmoid_vectorizable(z):  # type: ignore[no-untyped-def]
+def sigmoid_vectorizable(z):
     """1 / (1 + exp(-z)) through :func:`exp_vectorizable` (float64)."""
     return 1.0 / (1.0 + exp_vectorizable(-z))
 
 
-def widen(v):  # type: ignore[no-untyped-def]
+def widen(v):
     """A stored value as float32: bfloat16 (its bits as uint16) shifted into the high half, int8 converted."""
     raise NotImplementedError  # numba only (the overload below)
 
 
 @overload(widen, inline="always")
-def _widen(v):  # type: ignore[no-untyped-def]
+def _widen(v):
     if v == types.uint16:
         return lambda v: float32_from_bits(np.uint32(v) << np.uint32(16))
     if v in (types.int8, types.float32):
@@ -155,16 +172,16 @@ def _widen(v):  # type: ignore[no-untyped-def]
     raise TypingError(f"widen: no widening for values of type {v}")
 
 
-def narrow(v, like):  # type: ignore[no-untyped-def]
-    """float32 ``v`` stored as ``like``'s type: bfloat16 bits (rounded to nearest even, as ``Tensor.to`` rounds),
-    or float32."""
+def narrow(v, like):
+    """float32 ``v`` stored as ``like``'s type: bfloat16 bits (rounded to nearest even), or float32. Mirrors
+    :meth:`torch.Tensor.to` (the model's rounding to its dtype)."""
     raise NotImplementedError  # numba only (the overload below)
 
 
 @overload(narrow, inline="always")
-def _narrow(v, like):  # type: ignore[no-untyped-def]
+def _narrow(v, like):
     if like == types.uint16:
-        def to_bfloat16(v, like):  # type: ignore[no-untyped-def]
+        def to_bfloat16(v, like):
             bits = bits_of_float32(np.float32(v))
             rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
             quiet = (bits >> np.uint32(16)) | np.uint32(0x40)  # a NaN stays a NaN

@@ -40,7 +40,7 @@ def _capped(z: Tensor, cap: float) -> Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, cap: float, chunk: int,  # type: ignore[override]
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, cap: float, chunk: int,
                 dtype: torch.dtype, group: dist.ProcessGroup, start: int) -> Tensor:
         h_c, w_c = h.to(dtype), weight.to(dtype)
         acc = torch.promote_types(dtype, torch.float32)
@@ -65,7 +65,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, dloss: Tensor):  # type: ignore[override]
+    def backward(ctx, dloss: Tensor):
         h, weight, targets, lse = ctx.saved_tensors
         cap, chunk, dtype, start = ctx.cap, ctx.chunk, ctx.dtype, ctx.start
         h_c, w_c = h.to(dtype), weight.to(dtype)

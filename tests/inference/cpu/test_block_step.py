@@ -15,13 +15,13 @@ from griffin import ModelConfig
 from griffin.inference.cpu.block_step import (
     BlockStep,
     RecurrentWeights,
-    attention_block_step,
     attention_step,
     gelu_product_step,
     narrow,
-    recurrent_block_step,
     recurrent_step,
     rms_norm_step,
+    stack_blocks,
+    stack_step,
 )
 from griffin.inference.cpu.matvec import MatvecWeights
 from griffin.layers import EMPTY, Context, MultiQueryAttention, RecurrentBlock, RMSNorm
@@ -269,8 +269,9 @@ def test_bad_input_is_named(gen):
 
 
 def test_block_step_bad_input_is_named(gen):
-    """The one-call block step (:func:`recurrent_block_step`, :func:`attention_block_step`): projections that do not
-    fit the width, rows or a cache of the wrong shape or dtype, get named errors before any kernel runs."""
+    """A block prepared for the stack's one call (:class:`BlockStep`, :func:`stack_blocks`, :func:`stack_step`):
+    projections that do not fit the width, rows or a cache of the wrong shape or dtype, get named errors before any
+    kernel runs."""
     block, _, state = recurrent_case(gen, torch.float32, 2, 24, 4, 4)
     lru = block.rg_lru
     gates = (lru.input_gate.w, lru.input_gate.b), (lru.a_gate.w, lru.a_gate.b)
@@ -286,18 +287,76 @@ def test_block_step_bad_input_is_named(gen):
         BlockStep.prepare((scales[0], torch.zeros(D).bfloat16()), (1e-6, 1e-6), mixer_in, mixer_out, up, down, "tanh")
     with pytest.raises(ValueError, match="approximation"):
         BlockStep.prepare(scales, (1e-6, 1e-6), mixer_in, mixer_out, up, down, "erf")
-    with pytest.raises(ValueError, match=r"x must be contiguous \(B, 16\) torch.float32 CPU rows, got \(16,\)"):
-        recurrent_block_step(torch.zeros(D), step, weights, state.conv, state.h)
-    with pytest.raises(ValueError, match=r"recurrent_block_step: for width 24, .* got \(3, 48\)"):
-        recurrent_block_step(torch.zeros(3, D), step, weights, state.conv, state.h)  # a state of 2 rows
-    with pytest.raises(ValueError, match="recurrent_block_step: h must be float32"):
-        recurrent_block_step(torch.zeros(2, D), step, weights, state.conv, state.h.double())
-    out = recurrent_block_step(torch.randn(2, D, generator=gen), step, weights, state.conv, state.h)
+    with pytest.raises(ValueError, match="stack_blocks: no blocks"):
+        stack_blocks([], 2)
+    with pytest.raises(ValueError, match=r"stack_blocks: for width 24, .* got \(3, 48\)"):
+        stack_blocks([(step, weights, (state.conv, state.h))], 3)  # a state of 2 rows
+    with pytest.raises(ValueError, match="stack_blocks: h must be float32"):
+        stack_blocks([(step, weights, (state.conv, state.h.double()))], 2)
+    stack = stack_blocks([(step, weights, (state.conv, state.h))], 2)
+    with pytest.raises(ValueError, match=r"x must be contiguous \(2, 16\) torch.float32 CPU rows, got \(16,\)"):
+        stack_step(torch.zeros(D), stack, None, None, None)
+    out = stack_step(torch.randn(2, D, generator=gen), stack, None, None, None)
     assert out.shape == (2, D) and out.dtype == torch.float32 and torch.isfinite(out).all()
     k, seg, count = torch.zeros(1, 5, 1, 8), torch.full((1, 5), EMPTY), torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match="attention_block_step: the output projection reads 24 inputs, not the 4 "
-                                         "heads"):
-        attention_block_step(torch.zeros(1, D), step, None, k, k.clone(), seg, count, seg[:, :1], True, 5, 1.0)
+    with pytest.raises(ValueError, match="stack_blocks: block 0's output projection reads 24 inputs, not the 4 heads"):
+        stack_blocks([(step, None, (k, k.clone(), seg, count, True, 1.0))], 1)
     k7 = torch.zeros(1, 5, 1, 7)  # heads of 7: no head count makes the projections' 48 outputs
-    with pytest.raises(ValueError, match="attention_block_step: for a cache of"):
-        attention_block_step(torch.zeros(1, D), step, None, k7, k7.clone(), seg, count, seg[:, :1], True, 5, 1.0)
+    with pytest.raises(ValueError, match="stack_blocks: for a cache of"):
+        stack_blocks([(step, None, (k7, k7.clone(), seg, count, True, 1.0))], 1)
+
+
+# Each numba function of the engine that mirrors a layer's math -> the test that compares it with that layer on
+# random float32 and bfloat16 inputs (through the kernel that runs it).
+MIRRORS = {
+    "griffin.ops.jit.narrow": "test_bfloat16_rounding_is_torchs",
+    "griffin.inference.cpu.block_step._gelu": "test_gelu_product_step_equals_the_mlp",
+    "griffin.inference.cpu.block_step._normalise": "test_rms_norm_step_equals_the_layer",
+    "griffin.inference.cpu.block_step._gelu_product_kernel": "test_gelu_product_step_equals_the_mlp",
+    "griffin.inference.cpu.block_step._recurrent_head": "test_recurrent_step_equals_the_block",
+    "griffin.inference.cpu.block_step._rotated": "test_attention_step_equals_the_layer",
+    "griffin.inference.cpu.block_step._attention_write": "test_attention_step_equals_the_layer",
+    "griffin.inference.cpu.block_step._attention_task": "test_attention_step_equals_the_layer",
+    "griffin.inference.cpu.matvec.block_product": "test_recurrent_step_equals_the_block",
+}
+
+
+def _resolve(path: str) -> object:
+    """The object a dotted path names (a module attribute, or a class attribute)."""
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def test_each_mirror_names_its_layer_function_and_is_compared_with_it():
+    """Every engine function whose docstring says "Mirrors" names layer functions that exist, and is listed with a
+    test here that compares it with them; every listed one says what it mirrors."""
+    import inspect
+    import re
+
+    import griffin.inference.cpu.block_step as block_step
+    import griffin.inference.cpu.matvec as matvec
+    import griffin.ops.jit as jit
+
+    said = set()
+    for module in (block_step, matvec, jit):
+        for name, obj in vars(module).items():
+            doc = inspect.getdoc(getattr(obj, "py_func", obj)) or "" if callable(obj) else ""
+            if getattr(obj, "__module__", None) == module.__name__ and "Mirrors" in doc:
+                said.add(f"{module.__name__}.{name}")
+                mirrored = re.findall(r":(?:func|meth):`([\w.]+)`", doc[doc.index("Mirrors"):])
+                assert mirrored, f"{module.__name__}.{name} says it mirrors, but names no function"
+                for path in mirrored:
+                    _resolve(path)  # raises if the layer function was renamed or removed
+    assert said == set(MIRRORS), f"listed here but not saying what they mirror, or the reverse: {said ^ set(MIRRORS)}"
+    for test in MIRRORS.values():
+        assert callable(globals()[test])

@@ -99,47 +99,44 @@ def test_every_block_takes_its_kernel_at_a_decode_step(gen, family, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
 @pytest.mark.parametrize("batch", [1, 3])
 @torch.no_grad()
-def test_one_call_block_step_equals_the_kernel_by_kernel_step(gen, family, dtype, batch, monkeypatch):
-    """Where a block's four projections are matvec swaps (the decode copy at one row; at 3 rows the matvec copy,
-    which the decoder makes for int8 models), each block's step is one call (griffin.inference.cpu.block_step's
-    recurrent_block_step and attention_block_step: the same kernels around the block's four matmuls, global attention
-    and a local ring of 6 slots that wraps after the 9-token prompt): each block makes exactly one such call per step,
-    and the logits and caches of 6 steps equal those of the same copy calling the kernels one by one. LLVM may
-    vectorise a kernel's sums differently inside the one call, so float32 agrees to its rounding. In bfloat16 and
-    int8 the kernels round where the model rounds: at least 95% of the logits' and float caches' entries are the same
-    bits, the rest within the tolerance of :func:`test_fused_step_equals_the_unfused_copy` (a float32 difference can
-    flip a bfloat16 rounding; a rounding left out of the one call, which that tolerance alone lets through, changes
-    most entries: mutation ``decode-block-row-rounding``)."""
+def test_stack_step_equals_the_kernel_by_kernel_step(gen, family, dtype, batch, monkeypatch):
+    """Where every block's four projections are matvec swaps (the decode copy at one row; at 3 rows the matvec copy,
+    which the decoder makes for int8 models), a step runs the whole stack in one call
+    (griffin.inference.cpu.block_step.stack_step: per block the same kernels around its four matmuls in one parallel
+    region; recurrent only, attention only with a global cache, and both with a local ring of 6 slots that wraps after
+    the 9-token prompt): once per step, and the logits and caches of 6 steps equal those of the same copy calling the
+    kernels one by one. LLVM may vectorise a kernel's sums differently inside the one call, so float32 agrees to its
+    rounding. In bfloat16 and int8 the kernels round where the model rounds: at least 95% of the logits' and float
+    caches' entries are the same bits, the rest within the tolerance of :func:`test_fused_step_equals_the_unfused_copy`
+    (a float32 difference can flip a bfloat16 rounding; a rounding left out of the one call, which that tolerance alone
+    lets through, changes most entries: mutation ``decode-block-row-rounding``)."""
     int8 = dtype == "int8"
     model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
     model = quantize_int8(model) if int8 else model
 
     def copy_of():
         copy = decode_model(model, 1) if batch == 1 else fused_step_swapped(matvec_swapped(model, int8pack=False))
-        copy.blocks.stackable = False  # (the whole stack in one call: test_stack_step_equals_the_block_by_block_step)
+        assert isinstance(copy.blocks, FusedResidualBlocks) and all(b.one_call is not None for b in copy.blocks)
         return copy
 
     prompts = torch.randint(0, 32, (batch, 9), generator=gen)
     tokens = list(torch.randint(0, 32, (6, batch), generator=gen))
     one_by_one = copy_of()
     for block in one_by_one.blocks:
-        assert block.one_call is not None
         block.one_call = None
     want, want_cache = steps_of(one_by_one, prompts, tokens)
-    calls = {"one call": 0}
+    calls = {"stack": 0}
 
-    def counted(fn):
-        def wrapper(*args, **kwargs):
-            calls["one call"] += 1
-            return fn(*args, **kwargs)
-        return wrapper
+    def counted(*args, **kwargs):
+        calls["stack"] += 1
+        return stack_step(*args, **kwargs)
 
-    for name in ("recurrent_block_step", "attention_block_step"):
-        monkeypatch.setattr(fused_step, name, counted(getattr(fused_step, name)))
+    stack_step = fused_step.stack_step
+    monkeypatch.setattr(fused_step, "stack_step", counted)
     for name in ("rms_norm_step", "recurrent_step", "attention_step", "gelu_product_step"):
         monkeypatch.setattr(fused_step, name, None)  # a step that fell back to the kernels one by one would fail
     got, got_cache = steps_of(copy_of(), prompts, tokens)
-    assert calls["one call"] == len(tokens) * len(model.blocks)
+    assert calls["stack"] == len(tokens)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     scale = want.abs().max()
     assert (got - want).abs().max() <= tol * scale
@@ -197,61 +194,23 @@ def test_autograd_goes_through_the_block(gen):
     assert got.requires_grad and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
-@pytest.mark.parametrize("batch", [1, 3])
-@torch.no_grad()
-def test_stack_step_equals_the_block_by_block_step(gen, family, dtype, batch, monkeypatch):
-    """Where every block makes one call, a step runs the whole stack in one call
-    (griffin.inference.cpu.block_step.stack_step: the same block kernels in the same order, from a compiled loop): once
-    per step, with logits and caches of 6 steps bit for bit those of the blocks called one by one from Python (recurrent
-    only, attention only with a global cache, and both with a local ring that wraps)."""
-    int8 = dtype == "int8"
-    model = tiny(family, gen, torch.bfloat16 if int8 else dtype)
-    model = quantize_int8(model) if int8 else model
-
-    def copy_of(stack):
-        copy = decode_model(model, 1) if batch == 1 else fused_step_swapped(matvec_swapped(model, int8pack=False))
-        assert isinstance(copy.blocks, FusedResidualBlocks) and all(b.one_call is not None for b in copy.blocks)
-        copy.blocks.stackable = stack
-        return copy
-
-    prompts = torch.randint(0, 32, (batch, 9), generator=gen)
-    tokens = list(torch.randint(0, 32, (6, batch), generator=gen))
-    want, want_cache = steps_of(copy_of(False), prompts, tokens)
-    calls = {"stack": 0}
-
-    def counted(*args, **kwargs):
-        calls["stack"] += 1
-        return stack_step(*args, **kwargs)
-
-    stack_step = fused_step.stack_step
-    monkeypatch.setattr(fused_step, "stack_step", counted)
-    for name in ("recurrent_block_step", "attention_block_step"):
-        monkeypatch.setattr(fused_step, name, None)  # a step that fell back to the blocks one by one would fail
-    got, got_cache = steps_of(copy_of(True), prompts, tokens)
-    assert calls["stack"] == len(tokens)
-    assert torch.equal(got, want)
-    for name, t in want_cache.tensors().items():
-        assert torch.equal(got_cache.tensors()[name], t), name
-
-
 @torch.no_grad()
 def test_stack_step_follows_a_cache_whose_tensors_were_replaced(gen):
     """The stack views its cache's tensors, prepared once: a cache tensor replaced by another (equal) one is read and
-    updated from then on, not the old one."""
+    updated from then on, not the old one (the cache's tensors after the steps equal those of a run that replaced
+    nothing)."""
     model = tiny("griffin", gen, torch.bfloat16)
     prompts = torch.randint(0, 32, (1, 5), generator=gen)
     tokens = list(torch.randint(0, 32, (4, 1), generator=gen))
     runs = []
-    for stack in (True, False):
+    for replace in (True, False):
         copy = decode_model(model, 1)
-        copy.blocks.stackable = stack
         _, cache = prefill(copy, prompts, max_length=16)
         decoder = Decoder(copy, cache)
         logits = [decoder(t) for t in tokens[:2]]
-        cache.blocks[0].h = cache.blocks[0].h.clone()
-        cache.blocks[2].k = cache.blocks[2].k.clone()
+        if replace:
+            cache.blocks[0].h = cache.blocks[0].h.clone()
+            cache.blocks[2].k = cache.blocks[2].k.clone()
         logits += [decoder(t) for t in tokens[2:]]
         runs.append((torch.stack(logits), cache))
     (got, got_cache), (want, want_cache) = runs

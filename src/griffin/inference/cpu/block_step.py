@@ -9,8 +9,8 @@ model (about 150 per layer and step) cost more than their arithmetic. Each kerne
 computes for one token per row without document starts or padding (every decode step), from tensors in their stored
 dtype (float32, or bfloat16 as its uint16 bits) in float32, and rounds to the model's dtype where the model stores a
 value (the Conv1D input it keeps, the layers' outputs, the gates and the recurrence's output, which the model rounds
-before using them). A residual block's whole step is one call (:func:`recurrent_block_step`,
-:func:`attention_block_step`): these kernels around its four weight matmuls
+before using them). A residual block's whole step is one parallel region (:func:`_recurrent_block_kernel`,
+:func:`_attention_block_kernel`): these kernels around its four weight matmuls
 (:func:`griffin.inference.cpu.matvec.rows_task`), in one parallel region whose threads share their tasks
 (:mod:`griffin.inference.cpu.tasks`); a step's whole stack of blocks is one call (:func:`stack_step`). e^x, the
 sigmoid and the bfloat16 rounding are :mod:`griffin.ops.jit`'s (float64 arithmetic that LLVM vectorises, where
@@ -43,21 +43,23 @@ from griffin.inference.cpu.matvec import (
     rows_task,
 )
 from griffin.inference.cpu.tasks import claim, counters, finish, single, wait
-from griffin.ops.jit import exp_vectorizable, kernel, narrow, sigmoid_vectorizable, storage, widen
+from griffin.layers.attention import cache_slot
+from griffin.ops.jit import exp_vectorizable, kernel, narrow, parallel_ready, sigmoid_vectorizable, storage, widen
 
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes the kernels read and write
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _rounded(v, like):  # type: ignore[no-untyped-def]
+def _rounded(v, like):
     """v as the model holds it in ``like``'s dtype (rounded to bfloat16, or float32 as it is), widened again."""
     return widen(narrow(v, like))
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _gelu(x, exact):  # type: ignore[no-untyped-def]
+def _gelu(x, exact):
     """GeLU of float32 x: exact (erf) or the tanh approximation (``F.gelu``'s "none" and "tanh"), the latter as
-    x sigmoid(2 z) = 0.5 x (1 + tanh z)."""
+    x sigmoid(2 z) = 0.5 x (1 + tanh z). Mirrors :func:`torch.nn.functional.gelu` as
+    :meth:`griffin.layers.GatedMLP.forward` calls it."""
     if exact:
         return np.float32(0.5) * x * np.float32(math.erfc(-x * np.float32(0.7071067811865476)))  # 1 + erf(z)
     z = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
@@ -65,8 +67,9 @@ def _gelu(x, exact):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _normalise(r, scale, eps, out):  # type: ignore[no-untyped-def]
-    """out = r / sqrt(mean(r^2) + eps) * (1 + scale) for one row r (D,), as stored."""
+def _normalise(r, scale, eps, out):
+    """out = r / sqrt(mean(r^2) + eps) * (1 + scale) for one row r (D,), as stored. Mirrors
+    :meth:`griffin.layers.RMSNorm.forward`."""
     D = r.shape[0]
     ss = np.float32(0.0)
     for d in range(D):
@@ -79,14 +82,14 @@ def _normalise(r, scale, eps, out):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _rms_norm_kernel(x, scale, eps, out):  # type: ignore[no-untyped-def]
+def _rms_norm_kernel(x, scale, eps, out):
     """RMSNorm of each row of x (B, D) into out."""
     for b in range(x.shape[0]):
         _normalise(x[b], scale, eps, out[b])
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _add_rms_norm_kernel(x, delta, scale, eps, residual, out):  # type: ignore[no-untyped-def]
+def _add_rms_norm_kernel(x, delta, scale, eps, residual, out):
     """Per row: residual = x + delta (stored in residual's dtype), out = RMSNorm(residual)."""
     B, D = x.shape
     like = residual.dtype.type(0)
@@ -97,7 +100,7 @@ def _add_rms_norm_kernel(x, delta, scale, eps, residual, out):  # type: ignore[n
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _gelu_rows(x, col, exact, out):  # type: ignore[no-untyped-def]
+def _gelu_rows(x, col, exact, out):
     """out (B, n) = GeLU(x[:, col : col + n]), x first rounded to out's dtype (a layer's output) and the GeLU too."""
     like = out.dtype.type(0)  # out's dtype, for the roundings (a load from out would keep LLVM from vectorising)
     n = out.shape[1]
@@ -112,9 +115,9 @@ def _gelu_rows(x, col, exact, out):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
+def _gelu_product_kernel(gate_up, exact, out):
     """out (B, M) = GeLU(gate) * up for gate_up (B, 2M) = [gate, up], both first rounded to out's dtype (the model's
-    layer outputs), the GeLU too."""
+    layer outputs), the GeLU too. Mirrors :meth:`griffin.layers.GatedMLP.forward` between its projections."""
     _gelu_rows(gate_up, 0, exact, out)
     like = out.dtype.type(0)
     M = out.shape[1]
@@ -125,11 +128,14 @@ def _gelu_product_kernel(gate_up, exact, out):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # noqa: E501
     """One token of the recurrent block between its projections (Figure 2c) for the channels of gate block ``blk``,
     for y_u (B, 2R) = [y, u] the rows of its two branches: the Conv1D step on u (``conv_state`` (B, K-1, R) holds the
     previous inputs and is shifted by one), the block-diagonal gates on its output, the RG-LRU step on ``h`` (B, R)
-    float32 (in place), and out (B, R) = RG-LRU output * GeLU(y). A block's channels need nothing of the others."""
+    float32 (in place), and out (B, R) = RG-LRU output * GeLU(y). A block's channels need nothing of the others.
+    Mirrors :meth:`griffin.layers.RecurrentBlock.forward` between its projections at one token:
+    :meth:`griffin.layers.conv1d.CausalConv1D.forward`, :meth:`griffin.layers.BlockDiagonalLinear.forward`,
+    :meth:`griffin.layers.rg_lru.RGLRU.forward`."""
     B, R = h.shape
     K = conv_w.shape[0]
     _, Din, Dout = gx_w.shape
@@ -174,7 +180,7 @@ def _recurrent_head(blk, y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w
 
 
 @kernel(parallel=True, fastmath=True, error_model="numpy")
-def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale, h, exact, out):
     """:func:`_recurrent_head` of every gate block, a task each."""
     for blk in prange(gx_w.shape[0]):
         _recurrent_head(np.int64(blk), y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, ga_b, ga_s, log_a_scale,
@@ -183,19 +189,20 @@ def _recurrent_kernel(y_u, conv_state, conv_w, conv_b, gx_w, gx_b, gx_s, ga_w, g
 
 def _check_dtype(name: str, t: Tensor) -> None:
     if t.dtype not in STEP_DTYPES or t.device.type != "cpu":
-        raise ValueError(f"decode_step: {name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+        raise ValueError(f"block_step: {name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} on {t.device}")
 
 
 def _check_out_dtype(dtype: torch.dtype) -> None:
     if dtype not in STEP_DTYPES:
-        raise ValueError(f"decode_step: the model's dtype must be float32 or bfloat16, got {dtype}")
+        raise ValueError(f"block_step: the model's dtype must be float32 or bfloat16, got {dtype}")
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _rotated(row, base, cos, sin, like, out):  # type: ignore[no-untyped-def]
+def _rotated(row, base, cos, sin, like, out):
     """out (d,) float32 = one head row[base : base + d] of a projection's output, rounded to the model's dtype (as the
     layer stores it), with RoPE (Section 2.3) on its first 2 half dims: pairs (i, i + half) turn by the angles of
-    cos, sin (half,), each product and sum rounded as the model's element-wise operators round them."""
+    cos, sin (half,), each product and sum rounded as the model's element-wise operators round them. Mirrors
+    :func:`griffin.layers.rope.apply_rope`."""
     half, d = cos.shape[0], out.shape[0]
     for i in range(half):
         x1, x2 = _rounded(widen(row[base + i]), like), _rounded(widen(row[base + half + i]), like)
@@ -207,7 +214,7 @@ def _rotated(row, base, cos, sin, like, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _attention_check(k_cache, count, local):  # type: ignore[no-untyped-def]
+def _attention_check(k_cache, count, local):
     """Raise if a global cache has no slot left for the new token (before anything is written)."""
     for b in range(k_cache.shape[0]):
         if not local and count[b] >= k_cache.shape[1]:
@@ -215,15 +222,16 @@ def _attention_check(k_cache, count, local):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, out):
     """The new key (with RoPE) and value of each row of qkv written to its cache slot (local: a ring of S slots,
-    slot count mod S; global: slot count), ``count`` advanced: before any query reads the cache."""
+    slot :func:`griffin.layers.attention.cache_slot`), ``count`` advanced: before any query reads the cache. Mirrors
+    :meth:`griffin.layers.MultiQueryAttention.attend_ring` and ``attend_cached``'s write at one token."""
     B, S, Hk, d = k_cache.shape
     H = out.shape[1] // d
     like = out.dtype.type(0)
     key = np.empty(d, np.float32)
     for b in range(B):
-        slot = count[b] % S if local else count[b]
+        slot = cache_slot(count[b], S, local)
         for j in range(Hk):
             _rotated(qkv[b], (H + j) * d, cos[b], sin[b], like, key)
             k_row, v_row, vs = k_cache[b, slot, j], v_cache[b, slot, j], qkv[b, (H + Hk + j) * d : (H + Hk + j + 1) * d]
@@ -235,18 +243,19 @@ def _attention_write(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments
 
 
 @numba.njit(inline="always")
-def _attention_task_count(k_cache, out, per_task):  # type: ignore[no-untyped-def]
+def _attention_task_count(k_cache, out, per_task):
     """How many tasks :func:`_attention_task` splits the queries into."""
     Hk, d = k_cache.shape[2], k_cache.shape[3]
     return k_cache.shape[0] * Hk * -(-(out.shape[1] // d // Hk) // per_task)
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # noqa: E501
     """Task ``task`` of the queries (after :func:`_attention_write`): a row b, a key/value head j and ``per_task`` of
     the query heads that share it, each (with RoPE) over the first ``slots`` slots that hold its document
     (``seg_cache`` == ``segments``), global ones up to its own: scores rounded to the model's dtype, softmax in
-    float32, probabilities rounded, out (B, H d) their sum of values."""
+    float32, probabilities rounded, out (B, H d) their sum of values. Mirrors
+    :meth:`griffin.layers.MultiQueryAttention.attend_ring` and ``attend_cached``'s attention at one token."""
     B, S, Hk, d = k_cache.shape
     H = out.shape[1] // d
     G = H // Hk
@@ -326,7 +335,7 @@ def _attention_task(task, qkv, cos, sin, k_cache, v_cache, seg_cache, count, seg
 
 
 @kernel(parallel=True, fastmath=True, error_model="numpy")
-def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _attention_kernel(qkv, cos, sin, k_cache, v_cache, seg_cache, count, segments, local, slots, scale, per_task, out):
     """One token of multi-query attention between its projections (Section 2.3), for qkv (B, (H + 2 H_kv) d) = [q, k,
     v] the rows of the three projections: :func:`_attention_write`, then :func:`_attention_task` of each row,
     key/value head and ``per_task`` of the query heads that share it, a task each."""
@@ -441,6 +450,7 @@ def recurrent_step(y_u: Tensor, conv_state: Tensor, h: Tensor, weights: Recurren
     _check_recurrent("recurrent_step", tuple(y_u.shape), conv_state, h, weights, dtype)
     B, R = y_u.shape[0], weights.width
     out = torch.empty(B, R, dtype=dtype)
+    parallel_ready()
     _recurrent_kernel(storage(y_u.contiguous()), storage(conv_state), *weights.arrays(), h.numpy(),
                       _exact(approximation), storage(out))
     return out
@@ -496,13 +506,14 @@ def attention_step(qkv: Tensor, rope: tuple[Tensor, Tensor] | None, k_cache: Ten
     H, d, cache = _attention_arguments("attention_step", tuple(qkv.shape), rope, k_cache, v_cache, segment_cache,
                                        count, segments, local, slots, scale, dtype)
     out = torch.empty(qkv.shape[0], H * d, dtype=dtype)
+    parallel_ready()
     _attention_kernel(storage(qkv.contiguous()), *cache, storage(out))
     return out
 
 
 def _exact(approximation: str) -> bool:
     if approximation not in ("none", "tanh"):
-        raise ValueError(f"decode_step: GeLU approximation must be 'none' or 'tanh', got {approximation!r}")
+        raise ValueError(f"block_step: GeLU approximation must be 'none' or 'tanh', got {approximation!r}")
     return approximation == "none"
 
 
@@ -513,7 +524,7 @@ def _exact(approximation: str) -> bool:
 
 
 @numba.njit(inline="always")
-def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):  # type: ignore[no-untyped-def]
+def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):
     """Phase ``phase``: out = x times the matrices m (:meth:`MatvecWeights.kernel_args`), a task per tile, x prepared
     into ``buffers`` (:func:`griffin.inference.cpu.matvec.prepare_rows`) by a phase before."""
     tiles = m[1].shape[0]
@@ -526,7 +537,7 @@ def _matmul_phase(c, phase, worker, x, buffers, m, settings, out):  # type: igno
 
 
 @numba.njit(inline="always", fastmath=True, error_model="numpy")
-def _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, out):  # type: ignore[no-untyped-def]
+def _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, out):
     """Phases 0-1 of a temporal half: the pre-norm of rows x (and their preparation for the matmul), then out = the
     normed rows times ``mixer_in``."""
     if single(c, 0):
@@ -539,7 +550,7 @@ def _projection_in(c, worker, x, norms, mixer_in, settings, normed, in_buffers, 
 
 
 @numba.njit(inline="always")
-def _projection_out(c, phase, worker, hidden, mixer_out, settings, out_buffers, mixed):  # type: ignore[no-untyped-def]
+def _projection_out(c, phase, worker, hidden, mixer_out, settings, out_buffers, mixed):
     """Phases ``phase`` and ``phase`` + 1 of a temporal half: the preparation of ``hidden`` for the matmul, then
     mixed = hidden times ``mixer_out``."""
     if single(c, phase):
@@ -553,7 +564,7 @@ MLP_PHASES = 5  # phases of :func:`_mlp_tasks`
 
 
 @numba.njit(fastmath=True, error_model="numpy")
-def _mlp_tasks(c, first, worker, x, mixed, scale, eps, up, down, exact, settings, residual, normed, up_in, gate_up, hidden,  # type: ignore[no-untyped-def]  # noqa: E501
+def _mlp_tasks(c, first, worker, x, mixed, scale, eps, up, down, exact, settings, residual, normed, up_in, gate_up, hidden,  # noqa: E501
                down_in, down_out, out):
     """The channel half of a residual block for rows x (B, D), the share of ``worker`` from phase ``first`` on:
     residual = x + mixed (the temporal block's output in float32, first rounded as its layer's output), RMSNorm, the
@@ -584,7 +595,7 @@ def _mlp_tasks(c, first, worker, x, mixed, scale, eps, up, down, exact, settings
 
 
 @numba.njit
-def _mlp_buffers(x, up):  # type: ignore[no-untyped-def]
+def _mlp_buffers(x, up):
     """What :func:`_mlp_tasks`' phases share, for rows x (B, D) and the MLP's ``up`` matrices."""
     B, D = x.shape
     normed = np.empty_like(x)
@@ -594,7 +605,7 @@ def _mlp_buffers(x, up):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(fastmath=True, error_model="numpy")
-def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, rec, exact, settings, normed, in_buffers, y_u,  # type: ignore[no-untyped-def]  # noqa: E501
+def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, rec, exact, settings, normed, in_buffers, y_u,  # noqa: E501
                      hidden, out_buffers, mixed):
     """A thread's share of the temporal half of a residual block with a recurrent block (Figure 2a, c), phases 0-4:
     the pre-norm, the input projections, a task per gate block (:func:`_recurrent_head`), the output projection
@@ -612,13 +623,13 @@ def _recurrent_tasks(c, worker, x, norms, mixer_in, mixer_out, conv_state, h, re
 
 
 @numba.njit(inline="always")
-def _split(m):  # type: ignore[no-untyped-def]
+def _split(m):
     """(the matrices, the rest) of :meth:`MatvecWeights.kernel_args`: each a tuple one level deep."""
     return m[0], m[1:]
 
 
 @numba.njit
-def _mixer_buffers(x, mixer_in, mixer_out):  # type: ignore[no-untyped-def]
+def _mixer_buffers(x, mixer_in, mixer_out):
     """What the temporal half's phases share, for rows x (B, D): (normed rows, their matmul buffers, the input
     projections' output, the output projection's input and its buffers, the temporal block's output)."""
     B, D = x.shape
@@ -629,7 +640,7 @@ def _mixer_buffers(x, mixer_in, mixer_out):  # type: ignore[no-untyped-def]
 
 
 @kernel(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy")
-def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, threads, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, threads, out):
     """A residual block with a recurrent temporal block (Figure 2a, c) for rows x (B, D) into out (B, D): one
     parallel region in which each of ``threads`` runs :func:`_recurrent_tasks`, then :func:`_mlp_tasks`."""
     normed, in_buffers, y_u, hidden, out_buffers, mixed = _mixer_buffers(x, mixer_in, mixer_out)
@@ -646,7 +657,7 @@ def _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state,
 
 
 @numba.njit(fastmath=True, error_model="numpy")
-def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, settings, normed, in_buffers, qkv, hidden,  # type: ignore[no-untyped-def]  # noqa: E501
+def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, settings, normed, in_buffers, qkv, hidden,  # noqa: E501
                                out_buffers, mixed):
     """A thread's share of the temporal half of a residual block with multi-query attention (Figure 2a, Section
     2.3), phases 0-5: the pre-norm, the q/k/v projections, the cache write (:func:`_attention_write`), the queries'
@@ -670,7 +681,7 @@ def _attention_tasks_of_thread(c, worker, x, norms, mixer_in, mixer_out, cache, 
 
 
 @kernel(parallel=PRANGE_ONLY, fastmath=True, error_model="numpy")
-def _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cache, exact, settings, threads, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _attention_block_kernel(x, norms, mixer_in, mixer_out, up, down, cache, exact, settings, threads, out):
     """A residual block with multi-query attention (Figure 2a, Section 2.3) for rows x (B, D) into out (B, D), the
     cache as :func:`_attention_kernel` takes it (a tuple): one parallel region in which each of ``threads`` runs
     :func:`_attention_tasks_of_thread`, then :func:`_mlp_tasks`."""
@@ -723,50 +734,6 @@ class BlockStep:
                    _exact(approximation), dtype, D)
 
 
-def _check_rows(x: Tensor, block: BlockStep) -> None:
-    if x.dim() != 2 or x.shape[1] != block.width or x.dtype != block.dtype or x.device.type != "cpu" or (
-            not x.is_contiguous()):
-        raise ValueError(f"block step: x must be contiguous (B, {block.width}) {block.dtype} CPU rows, got "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
-
-
-def recurrent_block_step(x: Tensor, block: BlockStep, weights: RecurrentWeights, conv_state: Tensor,
-                         h: Tensor) -> Tensor:
-    """A residual block with a recurrent temporal block, one token of each row of x (B, D) (the residual stream) in
-    one call: what :class:`griffin.model.ResidualBlock` computes, through :func:`rms_norm_step`'s,
-    :func:`recurrent_step`'s and :func:`gelu_product_step`'s kernels around the four weight matmuls (the block's
-    state, ``conv_state`` (B, K-1, R) and ``h`` (B, R) float32, updated in place). Returns the block's output (B, D) in
-    x's dtype."""
-    _check_rows(x, block)
-    _check_recurrent("recurrent_block_step", (x.shape[0], block.mixer_in[3].shape[0]), conv_state, h, weights,
-                     x.dtype)
-    if block.mixer_out[0][0].shape[1] != weights.width:
-        raise ValueError(f"recurrent_block_step: the output projection reads {block.mixer_out[0][0].shape[1]} "
-                         f"inputs, not the recurrent block's width {weights.width}")
-    out = torch.empty_like(x)
-    _recurrent_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down,
-                            storage(conv_state), h.numpy(), weights.arrays(), block.exact,
-                            matvec_module.kernel_settings(), numba.get_num_threads(), storage(out))
-    return out
-
-
-def attention_block_step(x: Tensor, block: BlockStep, rope: tuple[Tensor, Tensor] | None, k_cache: Tensor,
-                         v_cache: Tensor, segment_cache: Tensor, count: Tensor, segments: Tensor, local: bool,
-                         slots: int, scale: float) -> Tensor:
-    """A residual block with multi-query attention, one token of each row of x (B, D) in one call (the caches as
-    :func:`attention_step` takes them, updated in place). Returns the block's output (B, D) in x's dtype."""
-    _check_rows(x, block)
-    H, d, cache = _attention_arguments("attention_block_step", (x.shape[0], block.mixer_in[3].shape[0]), rope,
-                                       k_cache, v_cache, segment_cache, count, segments, local, slots, scale, x.dtype)
-    if block.mixer_out[0][0].shape[1] != H * d:
-        raise ValueError(f"attention_block_step: the output projection reads {block.mixer_out[0][0].shape[1]} "
-                         f"inputs, not the {H} heads of {d}")
-    out = torch.empty_like(x)
-    _attention_block_kernel(storage(x), block.norms, block.mixer_in, block.mixer_out, block.up, block.down, cache,
-                            block.exact, matvec_module.kernel_settings(), numba.get_num_threads(), storage(out))
-    return out
-
-
 # A decode step's whole stack of residual blocks in one call from Python: a compiled loop over the blocks that calls
 # each block's kernel above (:func:`_recurrent_block_kernel`, :func:`_attention_block_kernel`), the next block reading
 # the one before's output. No Python, checks or allocations of tensors between the blocks. The blocks' weights and
@@ -778,17 +745,17 @@ def attention_block_step(x: Tensor, block: BlockStep, rope: tuple[Tensor, Tensor
 RECURRENT, ATTENTION = 0, 1  # the kinds of :func:`stack_step`'s ``order``
 
 
-def _stack_recurrent(items, i, x, settings, threads, out):  # type: ignore[no-untyped-def]
+def _stack_recurrent(items, i, x, settings, threads, out):
     """Recurrent block i of ``items`` (None: the model has none) for rows x into out."""
     raise NotImplementedError  # numba only
 
 
 @overload(_stack_recurrent)
-def _stack_recurrent_impl(items, i, x, settings, threads, out):  # type: ignore[no-untyped-def]
+def _stack_recurrent_impl(items, i, x, settings, threads, out):
     if isinstance(items, types.NoneType):
         return lambda items, i, x, settings, threads, out: None
 
-    def run(items, i, x, settings, threads, out):  # type: ignore[no-untyped-def]
+    def run(items, i, x, settings, threads, out):
         norms, mixer_in, mixer_out, up, down, exact, conv_state, h, rec = items[i]
         _recurrent_block_kernel(x, norms, mixer_in, mixer_out, up, down, conv_state, h, rec, exact, settings, threads,
                                 out)
@@ -796,18 +763,18 @@ def _stack_recurrent_impl(items, i, x, settings, threads, out):  # type: ignore[
     return run
 
 
-def _stack_attention(items, i, x, step, settings, threads, out):  # type: ignore[no-untyped-def]
+def _stack_attention(items, i, x, step, settings, threads, out):
     """Attention block i of ``items`` (None: the model has none) for rows x into out; ``step`` = (cos, sin, segments,
     cache_len) of this step's tokens."""
     raise NotImplementedError  # numba only
 
 
 @overload(_stack_attention)
-def _stack_attention_impl(items, i, x, step, settings, threads, out):  # type: ignore[no-untyped-def]
+def _stack_attention_impl(items, i, x, step, settings, threads, out):
     if isinstance(items, types.NoneType):
         return lambda items, i, x, step, settings, threads, out: None
 
-    def run(items, i, x, step, settings, threads, out):  # type: ignore[no-untyped-def]
+    def run(items, i, x, step, settings, threads, out):
         (norms, mixer_in, mixer_out, up, down, exact, k_cache, v_cache, seg_cache, count, local, scale,
          per_task) = items[i]
         cos, sin, segments, cache_len = step
@@ -819,16 +786,16 @@ def _stack_attention_impl(items, i, x, step, settings, threads, out):  # type: i
     return run
 
 
-def _check_attention_caches(items):  # type: ignore[no-untyped-def]
+def _check_attention_caches(items):
     raise NotImplementedError  # numba only
 
 
 @overload(_check_attention_caches)
-def _check_attention_caches_impl(items):  # type: ignore[no-untyped-def]
+def _check_attention_caches_impl(items):
     if isinstance(items, types.NoneType):
         return lambda items: None
 
-    def check(items):  # type: ignore[no-untyped-def]
+    def check(items):
         for i in range(len(items)):
             item = items[i]
             _attention_check(item[6], item[9], item[10])  # (k_cache, count, local)
@@ -837,7 +804,7 @@ def _check_attention_caches_impl(items):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True, error_model="numpy")
-def _stack_kernel(x, recurrent, attention, order, step, settings, threads, out):  # type: ignore[no-untyped-def]
+def _stack_kernel(x, recurrent, attention, order, step, settings, threads, out):
     """The residual blocks in ``order`` ((kind, index in its list) per block) for rows x (B, D) into out (B, D), every
     global attention cache checked for room first (so that a full one stops the step before any block writes)."""
     _check_attention_caches(attention)
@@ -869,8 +836,8 @@ class Stack:
 
 def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]], batch_size: int) -> Stack:
     """The blocks (in order: each its :class:`BlockStep`, its :class:`RecurrentWeights` or None for multi-query
-    attention, and its cache: ``(conv_state, h)`` for a recurrent block as :func:`recurrent_block_step` takes them,
-    ``(k_cache, v_cache, segment_cache, count, local, scale)`` for attention as :func:`attention_block_step` does)
+    attention, and its cache: ``(conv_state, h)`` for a recurrent block as :func:`recurrent_step` takes them,
+    ``(k_cache, v_cache, segment_cache, count, local, scale)`` for attention as :func:`attention_step` does)
     prepared for :func:`stack_step` on ``batch_size`` rows. Raises ValueError where a block or cache does not fit."""
     if not blocks:
         raise ValueError("stack_blocks: no blocks")
@@ -917,7 +884,7 @@ def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]]
 def stack_step(x: Tensor, stack: Stack, rope: tuple[Tensor, Tensor] | None, segments: Tensor | None,
                cache_len: int | None) -> Tensor:
     """The stack's residual blocks, one token of each row of x (B, D) (the residual stream) in one call: what the
-    blocks compute one after the other (:func:`recurrent_block_step`, :func:`attention_block_step`), their caches
+    blocks compute one after the other (:class:`griffin.model.ResidualBlock`), their caches
     updated in place. ``rope`` and ``segments`` (B, 1) are the step's tokens' (as :func:`attention_step` takes them;
     unused without attention blocks), ``cache_len`` the tokens a global attention cache holds after this step (None:
     every slot). Returns the last block's output (B, D) in x's dtype."""
@@ -936,6 +903,7 @@ def stack_step(x: Tensor, stack: Stack, rope: tuple[Tensor, Tensor] | None, segm
         cos = sin = np.empty((B, 0), np.float32)
         ids = np.zeros(B, np.int64)
     out = torch.empty_like(x)
+    parallel_ready()
     _stack_kernel(storage(x), stack.recurrent, stack.attention, stack.order,
                   (cos, sin, ids, -1 if cache_len is None else int(cache_len)), matvec_module.kernel_settings(),
                   numba.get_num_threads(), storage(out))

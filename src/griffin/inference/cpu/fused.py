@@ -1,19 +1,21 @@
 """A decode step with its element-wise work fused on CPU (Section 5), applied from outside the model as a module swap.
 
-A decode step of a 1-3B model reads its weights once, through the matvec kernels or oneDNN (docs/performance.md, "CPU
-decode at 1–3B"); what the model computes around those matmuls, one token per row, took another 17-25 ms per 1.3B step
-at batch 1 in some 150 eager operators per layer. :func:`fused_step_swapped` replaces each residual block of a decode
-copy of the model (:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, which runs a step
-through the kernels of :mod:`griffin.inference.cpu.block_step` around the block's own (swapped) projections: the two
-RMSNorms and the residual add, the MLP's GeLU product, and everything between the temporal block's projections: for a
-recurrent block in one parallel region, for an attention block RoPE, the cache write and the attention. Where the
-block's four projections are matvec swaps (any model at one row, int8 models at a few), the whole block is one call of
-those kernels and the matmuls, and one parallel region (:func:`griffin.inference.cpu.block_step.recurrent_block_step`,
-:func:`~griffin.inference.cpu.block_step.attention_block_step`), and where every block is, the list of blocks
-(:class:`FusedResidualBlocks`) runs the whole stack in one call from Python
-(:func:`griffin.inference.cpu.block_step.stack_step`). Anything else (a prompt, a document start or padding, a compiled
-step, gradients) goes through the block as it is, so the copy computes what the model computes, up to float32 rounding
-inside the kernels.
+A decode step of a 1-3B model reads its weights once, through the matvec kernels or oneDNN; what the model computes
+around those matmuls, one token per row, costs more in eager operators (some 150 per layer) than in arithmetic.
+:func:`fused_step_swapped` replaces each residual block of a decode copy of the model
+(:func:`griffin.inference.generate.decode_model`) by a :class:`FusedResidualBlock`, and their list by a
+:class:`FusedResidualBlocks`. A one-token step with no document start or padding then takes one of two routes:
+
+- where every block's four projections are matvec swaps (any model at one row, int8 models at up to 8), the whole
+  stack of blocks is one call from Python (:func:`griffin.inference.cpu.block_step.stack_step`): per block, one
+  parallel region with the kernels and the matmuls;
+- otherwise (oneDNN's prepacked or PyTorch's int8 matmuls, at several rows) each block runs the kernels of
+  :mod:`griffin.inference.cpu.block_step` one by one around its own (swapped) projections: the two RMSNorms and the
+  residual add, the MLP's GeLU product, the recurrent block between its projections in one parallel region, and for
+  attention RoPE, the cache write and the attention.
+
+Anything else (a prompt, a document start or padding, a compiled step, gradients) goes through the block as it is, so
+the copy computes what the model computes, up to float32 rounding inside the kernels.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ from griffin.inference.cpu.block_step import (
     BlockStep,
     RecurrentWeights,
     Stack,
-    attention_block_step,
     attention_step,
     gelu_product_step,
-    recurrent_block_step,
     recurrent_step,
     rms_norm_step,
     stack_blocks,
@@ -94,8 +94,9 @@ class FusedResidualBlock(nn.Module):
         self.one_call = self._block_step() if self.fusable else None
 
     def _block_step(self) -> BlockStep | None:
-        """The block's weights for a step in one call, if its four projections are matvec swaps and its temporal
-        block has a kernel (a recurrent block with its weights prepared, or multi-query attention)."""
+        """The block's weights for the stack's one call (:class:`FusedResidualBlocks`), if its four projections are
+        matvec swaps and its temporal block has a kernel (a recurrent block with its weights prepared, or multi-query
+        attention)."""
         temporal, mlp = self.temporal_block, self.mlp_block
         if self.weights is not None:
             mixer = (temporal.in_proj, temporal.linear_out)
@@ -118,10 +119,6 @@ class FusedResidualBlock(nn.Module):
             return self.reference[0](x, ctx, cache)
         B, _, D = x.shape
         rows = x.reshape(B, D)
-        if self.one_call is not None:
-            out = self._one_call(rows.contiguous(), ctx, cache)
-            if out is not None:
-                return out.view(B, 1, D)
         _, normed = rms_norm_step(rows, self.temporal_pre_norm.scale, self.temporal_pre_norm.eps)
         if self.weights is not None:
             mixed = self._recurrent(normed, cache)
@@ -134,17 +131,6 @@ class FusedResidualBlock(nn.Module):
         mlp = self.mlp_block
         hidden = gelu_product_step(_side_by_side(mlp.gate_up, normed), mlp.gelu_approximation, x.dtype)
         return (residual + mlp.down_proj(hidden)).view(B, 1, D)
-
-    def _one_call(self, x: Tensor, ctx: Context, cache) -> Tensor | None:
-        """The whole block for rows x (B, D) in one call, or None where its temporal block's cache does not allow it
-        (then the step goes through the kernels one by one)."""
-        block = self.temporal_block
-        if self.weights is not None:
-            return recurrent_block_step(x, self.one_call, self.weights, cache.conv, cache.h)
-        if isinstance(cache, KVCache) and cache.k.dtype == x.dtype and ctx.segments is not None:
-            return attention_block_step(x, self.one_call, ctx.rope, cache.k, cache.v, cache.segment, cache.count,
-                                        ctx.segments, block.local, self._slots(ctx, cache), block.head_dim**-0.5)
-        return None
 
     def _slots(self, ctx: Context, cache: KVCache) -> int:
         """How many of the cache's slots a step reads: a local ring all of them, a global cache those written."""
@@ -174,13 +160,12 @@ class FusedResidualBlocks(ResidualBlocks):
 
     def __init__(self, blocks: ResidualBlocks) -> None:
         super().__init__(blocks)
-        self.stackable = True  # whether a step may run as one call (False: the blocks one by one, as for comparisons)
         # (where the cache's tensors it was prepared on lie, the stack). The stack views that memory, so a cache whose
         # tensors lie there again (a new view of the same cache, as griffin serve makes at every step) reuses it, and
         # the memory of the last cache stepped stays alive as long as this copy or until another cache is stepped.
         self._stack: tuple[tuple, Stack] | None = None
 
-    def _caches(self, cache) -> list[tuple] | None:  # type: ignore[no-untyped-def]
+    def _caches(self, cache) -> list[tuple] | None:
         """Each block's cache tensors, as :func:`griffin.inference.cpu.block_step.stack_blocks` takes them, or None if a
         block's cache is not one the stack's kernels read."""
         caches = []
@@ -195,7 +180,7 @@ class FusedResidualBlocks(ResidualBlocks):
                 return None
         return caches
 
-    def _stack_for(self, cache, batch_size: int) -> Stack | None:  # type: ignore[no-untyped-def]
+    def _stack_for(self, cache, batch_size: int) -> Stack | None:
         """The stack prepared on ``cache`` (again if its tensors lie elsewhere than the last cache's), or None if a
         block's cache does not allow it (then the blocks run one by one)."""
         caches = self._caches(cache)
@@ -209,7 +194,7 @@ class FusedResidualBlocks(ResidualBlocks):
 
     def forward(self, x: Tensor, ctx: Context, cache=None) -> Tensor:
         first = self[0] if len(self) else None
-        if not (self.stackable and first is not None and cache is not None and x.shape[1] == 1 and ctx.reset is None
+        if not (first is not None and cache is not None and x.shape[1] == 1 and ctx.reset is None
                 and ctx.pad is None
                 and all(isinstance(b, FusedResidualBlock) and b.one_call is not None for b in self)
                 and x.dtype == first.dtype and x.device.type == "cpu" and not torch.is_grad_enabled()

@@ -150,7 +150,7 @@ _I8X64 = ir.VectorType(ir.IntType(8), 64)
 _BF16X32 = ir.VectorType(_BFloat(), 32)
 
 
-def _check(x, w, start, n, x_dtype, w_dtype, name):  # type: ignore[no-untyped-def]
+def _check(x, w, start, n, x_dtype, w_dtype, name):
     for arr, dtype in ((x, x_dtype), (w, w_dtype)):
         if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.layout == "C" and arr.dtype == dtype):
             raise TypingError(f"{name} reads contiguous 1-D {dtype} arrays, got {arr}")
@@ -158,21 +158,21 @@ def _check(x, w, start, n, x_dtype, w_dtype, name):  # type: ignore[no-untyped-d
         raise TypingError(f"{name}: start and n are integers, got {start} and {n}")
 
 
-def _check_ahead(offset, ahead, name):  # type: ignore[no-untyped-def]
+def _check_ahead(offset, ahead, name):
     if not (isinstance(offset, types.Integer) and isinstance(ahead, types.Integer)):
         raise TypingError(f"{name}: offset and ahead are integers, got {offset} and {ahead}")
 
 
-def _load(vector_type, align, as_type=None):  # type: ignore[no-untyped-def]
+def _load(vector_type, align, as_type=None):
     """A loader of one ``vector_type`` at a pointer, bit-cast to ``as_type``."""
-    def load(builder, ptr):  # type: ignore[no-untyped-def]
+    def load(builder, ptr):
         v = builder.load(builder.bitcast(ptr, vector_type.as_pointer()), align=align)
         return builder.bitcast(v, as_type) if as_type is not None else v
 
     return load
 
 
-def _prefetcher(builder, w, ahead):  # type: ignore[no-untyped-def]
+def _prefetcher(builder, w, ahead):
     """A function of the index k of a vector of the flat matrix ``w``: prefetch (into L2, as :func:`prefetch`) the
     line holding entry k + ahead of w, or w's last entry if that lies further; nothing where ahead is 0."""
     limit = w.nitems
@@ -183,7 +183,7 @@ def _prefetcher(builder, w, ahead):  # type: ignore[no-untyped-def]
     wanted = cgutils.is_not_null(builder, ahead)
     last = builder.sub(limit, ir.Constant(limit.type, 1))
 
-    def ask(k):  # type: ignore[no-untyped-def]
+    def ask(k):
         with builder.if_then(wanted, likely=True):
             q = builder.add(k, ahead)
             q = builder.select(builder.icmp_signed("<", q, limit), q, last)
@@ -194,13 +194,13 @@ def _prefetcher(builder, w, ahead):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def dot_bf16(typingctx, x, w, offset, start, n, ahead):  # type: ignore[no-untyped-def]
+def dot_bf16(typingctx, x, w, offset, start, n, ahead):
     """float32 sum of x[k] w[offset + k] over [start, start + n), x and w uint16 arrays of bfloat16 bits (module
     docstring); with each vector of w, the entry ``ahead`` further on prefetched (at most w's last; ahead 0: none)."""
     _check(x, w, start, n, types.uint16, types.uint16, "dot_bf16")
     _check_ahead(offset, ahead, "dot_bf16")
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         x, w = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2], strict=True))
         offset, start, n, ahead = (context.cast(builder, a, t, types.intp)
                                    for a, t in zip(args[2:], sig.args[2:], strict=True))
@@ -228,14 +228,14 @@ def dot_bf16(typingctx, x, w, offset, start, n, ahead):  # type: ignore[no-untyp
 
 
 @intrinsic
-def dot_uint16_int8(typingctx, high, low, w, offset, start, n, ahead):  # type: ignore[no-untyped-def]
+def dot_uint16_int8(typingctx, high, low, w, offset, start, n, ahead):
     """Exact int64 sum of (256 high[k] + low[k]) w[offset + k] over [start, start + n), high and low uint8, w int8
     (module docstring); with each vector of w, the entry ``ahead`` further on prefetched (as :func:`dot_bf16`)."""
     _check(high, w, start, n, types.uint8, types.int8, "dot_uint16_int8")
     _check(low, w, start, n, types.uint8, types.int8, "dot_uint16_int8")
     _check_ahead(offset, ahead, "dot_uint16_int8")
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:3], args[:3], strict=True)]
         offset, start, n, ahead = (context.cast(builder, a, t, types.intp)
                                    for a, t in zip(args[3:], sig.args[3:], strict=True))
@@ -275,7 +275,7 @@ WEIGHT_ROWS, ROWS = 4, 2
 
 
 @intrinsic
-def dot_rows_uint16_int8(typingctx, high, low, m0, w, r0, last, start, n):  # type: ignore[no-untyped-def]
+def dot_rows_uint16_int8(typingctx, high, low, m0, w, r0, last, start, n):
     """The exact int64 sums of (256 high[m, k] + low[m, k]) w[r, k] over k in [start, start + n), for the
     :data:`ROWS` input rows m = m0, m0 + 1, ... and the :data:`WEIGHT_ROWS` weight rows r = r0, r0 + 1, ... (each
     at most ``last``): a tuple of WEIGHT_ROWS ROWS sums, r0's first. high and low (B, K) uint8, w (N, K) int8,
@@ -287,17 +287,17 @@ def dot_rows_uint16_int8(typingctx, high, low, m0, w, r0, last, start, n):  # ty
     if not all(isinstance(a, types.Integer) for a in (m0, r0, last, start, n)):
         raise TypingError("dot_rows_uint16_int8: m0, r0, last, start and n are integers")
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         high, low, w = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3))
         m0, r0, last, start, n = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 4, 5, 6, 7))
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X16, [_I32X16] * 3),
                                             "llvm.x86.avx512.vpdpbusd.512")
         load = _load(_I8X64, 1, as_type=_I32X16)
 
-        def row(arr, index):  # type: ignore[no-untyped-def]
+        def row(arr, index):
             return builder.gep(arr.data, [builder.mul(index, builder.extract_value(arr.shape, 1))])
 
-        def plus(v, i):  # type: ignore[no-untyped-def]
+        def plus(v, i):
             return builder.add(v, ir.Constant(v.type, i))
 
         inputs = [[row(a, plus(m0, m)) for a in (high, low)] for m in range(ROWS)]
@@ -329,14 +329,14 @@ def dot_rows_uint16_int8(typingctx, high, low, m0, w, r0, last, start, n):  # ty
 
 
 @intrinsic
-def prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
+def prefetch(typingctx, arr, index):
     """Ask for the cache line holding the entry ``index`` of the C-contiguous array ``arr`` read as flat, into the L2
     cache (LLVM's ``prefetch`` of a read with locality 2, ``prefetcht1`` on x86: into L1 too, it evicted the block
     being computed on). A hint: it never faults, whatever the index, and computes nothing."""
     if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(index, types.Integer)):
         raise TypingError(f"prefetch reads a C-contiguous array and an integer index, got {arr} and {index}")
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
         i8p = ir.IntType(8).as_pointer()
         ptr = builder.bitcast(builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)]), i8p)
@@ -350,7 +350,7 @@ def prefetch(typingctx, arr, index):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def tile_dot_int8(typingctx, config, w, row, packed, start, n, out):  # type: ignore[no-untyped-def]
+def tile_dot_int8(typingctx, config, w, row, packed, start, n, out):
     """out (16, 16) int32 = the sums over k in [start, start + n) of w[row + i, k] b[k, j] for the 16 weight rows from
     ``row`` (w (N, K) int8, C-contiguous) and 16 columns j of unsigned bytes b, ``packed`` (K / 4, 64) uint8 in the
     tile unit's layout: packed[k // 4, 4 j + k % 4] = b[k, j]. Through ``tdpbsud`` (signed times unsigned bytes, int32
@@ -363,16 +363,16 @@ def tile_dot_int8(typingctx, config, w, row, packed, start, n, out):  # type: ig
     if not all(isinstance(a, types.Integer) for a in (row, start, n)):
         raise TypingError("tile_dot_int8: row, start and n are integers")
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         config, w, packed, out = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 6))
         row, start, n = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 4, 5))
         i8, i64 = ir.IntType(8), ir.IntType(64)
         i8p = i8.as_pointer()
 
-        def function(name, arguments):  # type: ignore[no-untyped-def]
+        def function(name, arguments):
             return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), arguments), name)
 
-        def tile(t):  # type: ignore[no-untyped-def]
+        def tile(t):
             return ir.Constant(i8, t)
 
         load, store = (function(f"llvm.x86.{name}", [i8, i8p, i64]) for name in ("tileloadd64", "tilestored64"))

@@ -17,9 +17,9 @@ equal the layers' own up to float32 rounding (the sums' order); the layers' bias
 decoder's choice where :func:`int8pack_for` says so: beyond :data:`KERNEL_INT8_ROWS` rows, or several rows on a host
 without ``vpdpbusd``), int8 layers of a bfloat16 model with per-channel scales and an input width divisible by 16 run
 instead through PyTorch's own int8 matmul (:class:`Int8PackLinear`), faster than the kernel's widened several-row path.
-The :class:`griffin.inference.Decoder` uses this swap for int8 models and for float models decoding one row (the
-kernel's one-row path was about 1.6× as fast as oneDNN's matmul on the machine of docs/performance.md); float models
-decoding several rows go through oneDNN's prepacked matmuls (:mod:`griffin.inference.cpu.prepack`).
+The :class:`griffin.inference.Decoder` uses this swap for int8 models and for float models decoding one row (where the
+kernel's one-row path is faster than oneDNN's matmul: docs/performance.md); float models decoding several rows go
+through oneDNN's prepacked matmuls (:mod:`griffin.inference.cpu.prepack`). docs/architecture.md tables the routes.
 """
 
 from __future__ import annotations

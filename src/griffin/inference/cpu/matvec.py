@@ -59,7 +59,7 @@ from griffin.inference.cpu.isa import (
     tile_config,
     tile_dot_int8,
 )
-from griffin.ops.jit import float32_from_bits, kernel, storage, widen
+from griffin.ops.jit import float32_from_bits, kernel, parallel_ready, storage, widen
 from griffin.ops.matvec import INT16_MAX
 
 TILE = TILE_ROWS  # output rows per task (16: one AMX tile of weight rows, which the tile kernel relies on)
@@ -75,7 +75,7 @@ OFFSET = INT16_MAX + 1  # int16 + OFFSET is unsigned (what vpdpbusd multiplies)
 
 
 @numba.njit(inline="always", fastmath=True)
-def _dot_2x4(x0, x1, x2, x3, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
+def _dot_2x4(x0, x1, x2, x3, w0, w1, k0, k1):
     """Dot products of weight rows w0, w1 with input rows x0..x3 over [k0, k1)."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
     for d in range(k1 - k0):
@@ -94,7 +94,7 @@ def _dot_2x4(x0, x1, x2, x3, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True)
-def _dot_2x1(x0, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
+def _dot_2x1(x0, w0, w1, k0, k1):
     a0 = b0 = np.float32(0.0)
     for d in range(k1 - k0):
         a0 += x0[k0 + d] * widen(w0[k0 + d])
@@ -103,7 +103,7 @@ def _dot_2x1(x0, w0, w1, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True)
-def _dot_1x4(x0, x1, x2, x3, w0, k0, k1):  # type: ignore[no-untyped-def]
+def _dot_1x4(x0, x1, x2, x3, w0, k0, k1):
     a0 = a1 = a2 = a3 = np.float32(0.0)
     for d in range(k1 - k0):
         u = widen(w0[k0 + d])
@@ -115,7 +115,7 @@ def _dot_1x4(x0, x1, x2, x3, w0, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True)
-def _dot_1x1(x0, w0, k0, k1):  # type: ignore[no-untyped-def]
+def _dot_1x1(x0, w0, k0, k1):
     a0 = np.float32(0.0)
     for d in range(k1 - k0):
         a0 += x0[k0 + d] * widen(w0[k0 + d])
@@ -123,7 +123,7 @@ def _dot_1x1(x0, w0, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", fastmath=True)
-def _row_pair(x, w0, w1, s0, s1, group, out, c, bias0, bias1):  # type: ignore[no-untyped-def]
+def _row_pair(x, w0, w1, s0, s1, group, out, c, bias0, bias1):
     """out[:, c], out[:, c + 1] = x w0^T, x w1^T with the rows' group scales s0, s1 and biases."""
     batch = x.shape[0]
     b = 0
@@ -155,7 +155,7 @@ def _row_pair(x, w0, w1, s0, s1, group, out, c, bias0, bias1):  # type: ignore[n
 
 
 @numba.njit(inline="always", fastmath=True)
-def _row(x, w0, s0, group, out, c, bias0):  # type: ignore[no-untyped-def]
+def _row(x, w0, s0, group, out, c, bias0):
     batch = x.shape[0]
     b = 0
     while b + 4 <= batch:
@@ -182,7 +182,7 @@ def _row(x, w0, s0, group, out, c, bias0):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True)
-def _widened_task(t, x, weights, tiles, scale, bias, out):  # type: ignore[no-untyped-def]
+def _widened_task(t, x, weights, tiles, scale, bias, out):
     """out = x W^T for tile t: x (B, K) float32; weights a tuple of (N_j, K) matrices of one storage type;
     tiles (T, 4) int64 rows (matrix j, its first row, the first output column, rows); scale (N, G) float32 and
     bias (N,) float32 indexed by output column; out (B, N) float32. Two weight rows against four input rows at a
@@ -201,7 +201,7 @@ def _widened_task(t, x, weights, tiles, scale, bias, out):  # type: ignore[no-un
 
 
 @numba.njit(inline="always")
-def _prefetch_row(w, r, ahead_bytes):  # type: ignore[no-untyped-def]
+def _prefetch_row(w, r, ahead_bytes):
     """Prefetch (into L2) the weights ``ahead_bytes`` past the start of row r of the matrix w, one row's worth (not
     past the matrix's end; nothing for 0)."""
     K, size = w.shape[1], w.shape[0] * w.shape[1]
@@ -212,7 +212,7 @@ def _prefetch_row(w, r, ahead_bytes):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True)
-def _one_row_task(t, x, weights, tiles, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
+def _one_row_task(t, x, weights, tiles, scale, bias, ahead_bytes, out):
     """out = x W^T for one input row, tile t: x (K,) float32, the weights and tiles as in :func:`_widened_task`,
     out (N,) float32. One weight row at a time, one accumulator chain per group, which LLVM vectorises over K; each
     row asks for the weights ``ahead_bytes`` on (:func:`_prefetch_row`)."""
@@ -233,7 +233,7 @@ def _one_row_task(t, x, weights, tiles, scale, bias, ahead_bytes, out):  # type:
 
 
 @kernel(fastmath=True)
-def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]
+def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):
     """out = x W^T + bias for one bfloat16 row x (K,) and bfloat16 weights, both as their uint16 bits, tile t (tiles
     as in :func:`_widened_task`; bias and out (N,) float32): the first K - K mod VECTOR inputs through ``vdpbf16ps``
     (:func:`griffin.inference.cpu.isa.dot_bf16`), the rest widened; the weights ``ahead_bytes`` on prefetched."""
@@ -250,7 +250,7 @@ def _one_row_bf16_task(t, x, weights, tiles, bias, ahead_bytes, out):  # type: i
 
 
 @numba.njit(inline="always", fastmath=True)
-def _group_dot(high, low, w, first, k0, group, gv, vector_sum, ahead_bytes):  # type: ignore[no-untyped-def]
+def _group_dot(high, low, w, first, k0, group, gv, vector_sum, ahead_bytes):
     """The exact int64 sum of x[k] w[first + k] over the group [k0, k0 + group), x = u - 32768 and u = 256 high + low:
     over its first gv entries, whose weights sum to ``vector_sum``, u w - 32768 sum(w) through ``vpdpbusd``
     (:func:`griffin.inference.cpu.isa.dot_uint16_int8`, in chunks of at most :data:`DOT_CHUNK`); the rest one product
@@ -264,7 +264,7 @@ def _group_dot(high, low, w, first, k0, group, gv, vector_sum, ahead_bytes):  # 
 
 
 @numba.njit(inline="always", fastmath=True)
-def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ahead_bytes, out):
     """out = step (x W^T, each group times its scale) + bias, tile t, for one row x (K,) of int16 steps of ``step``
     (:func:`griffin.ops.matvec.quantize_row_int16`), given as the bytes of u = x + 32768 (``high``,
     ``low``), and int8 weights (tiles as in :func:`_widened_task`) with float32 ``scale`` (N, G) and ``sums``
@@ -287,7 +287,7 @@ def _one_row_int8_task(t, high, low, step, weights, tiles, sums, scale, bias, ah
 
 
 @kernel(fastmath=True)
-def _rows_int8_task(t, high, low, steps, weights, tiles, sums, scale, bias, ahead_bytes, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _rows_int8_task(t, high, low, steps, weights, tiles, sums, scale, bias, ahead_bytes, out):
     """:func:`_one_row_int8_task` for B rows, each with its own int16 steps: ``high``, ``low`` (B', K) with
     B' >= B a multiple of :data:`griffin.inference.cpu.isa.ROWS` (the rows past B are computed, not written out),
     ``steps`` (B,), out (B, N). A block of WEIGHT_ROWS weight rows against ROWS input rows at a time
@@ -337,7 +337,7 @@ TILE_INPUTS = TILE_COLUMNS // 2  # input rows per tile product (their high and l
 
 
 @numba.njit(inline="always")
-def _word(row, k):  # type: ignore[no-untyped-def]
+def _word(row, k):
     """The 4 bytes row[k : k + 4] (those inside the row; zeros past its end) as one little-endian uint32."""
     K = row.shape[0]
     if k + 4 <= K:
@@ -350,7 +350,7 @@ def _word(row, k):  # type: ignore[no-untyped-def]
 
 
 @kernel()
-def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
+def _pack_tile_columns(high, low, packed):
     """packed (P, K / 4, 64) uint8, zeros on entry: for each block p of :data:`TILE_INPUTS` input rows, the high
     bytes of its rows as columns 0-7 and the low bytes as columns 8-15 of
     :func:`griffin.inference.cpu.isa.tile_dot_int8`'s input tile (the rows past B stay zero): column j of the tile's row
@@ -366,7 +366,7 @@ def _pack_tile_columns(high, low, packed):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=True)
-def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, config, out):
     """out[:, c0 : c0 + rows] for the 16 weight rows of w from ``first`` (the tile's ``rows``, then padding), as
     :func:`_tile_unit_task` describes."""
     B = out.shape[0]
@@ -401,7 +401,7 @@ def _tile_rows(high, low, packed, steps, w, first, c0, rows, sums, scale, bias, 
 
 
 @kernel(fastmath=True)
-def _tile_unit_task(t, high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):  # type: ignore[no-untyped-def]  # noqa: E501
+def _tile_unit_task(t, high, low, packed, steps, weights, tiles, sums, scale, bias, config, out):
     """:func:`_rows_int8_task` through the tile unit (:func:`griffin.inference.cpu.isa.tile_dot_int8`): the tile's 16
     weight rows against each block of 8 input rows (``packed``, :func:`_pack_tile_columns`), the same exact int64
     sums and the same float32 operations after them, so the same bits (:func:`_tile_rows`). A tile of fewer rows (a
@@ -422,7 +422,7 @@ _TILE_CONFIG = tile_config()
 
 
 @kernel()
-def _quantize_rows_int16(x, high, low, steps):  # type: ignore[no-untyped-def]
+def _quantize_rows_int16(x, high, low, steps):
     """:func:`_quantize_row_int16` of each row of x (B, K) into high, low and steps (B,); False if a row has an
     infinite or NaN entry."""
     for b in range(x.shape[0]):
@@ -432,19 +432,19 @@ def _quantize_rows_int16(x, high, low, steps):  # type: ignore[no-untyped-def]
     return True
 
 
-def _max_magnitude(x):  # type: ignore[no-untyped-def]
+def _max_magnitude(x):
     """(max |x_k| as float32, whether every entry is finite) for x (K,) float32, or bfloat16 as its uint16 bits (numba
     only)."""
     raise NotImplementedError
 
 
 @overload(_max_magnitude, inline="always")
-def _max_magnitude_impl(x):  # type: ignore[no-untyped-def]
+def _max_magnitude_impl(x):
     # From the bits without the sign: for finite floats their order is the magnitudes' order, and the largest is at
     # least the infinity's bits where an entry is infinite or NaN. An integer maximum, which LLVM vectorises (a float
     # one it does not, without fastmath's no-NaN promise).
     if x.dtype == types.uint16:
-        def bfloat16(x):  # type: ignore[no-untyped-def]
+        def bfloat16(x):
             m = np.uint16(0)
             for k in range(x.shape[0]):
                 m = max(m, np.uint16(x[k] & np.uint16(0x7FFF)))
@@ -452,7 +452,7 @@ def _max_magnitude_impl(x):  # type: ignore[no-untyped-def]
 
         return bfloat16
     if x.dtype == types.float32:
-        def float32(x):  # type: ignore[no-untyped-def]
+        def float32(x):
             bits = x.view(np.uint32)
             m = np.uint32(0)
             for k in range(bits.shape[0]):
@@ -464,7 +464,7 @@ def _max_magnitude_impl(x):  # type: ignore[no-untyped-def]
 
 
 @kernel(fastmath=False)
-def _quantize_row_int16(x, high, low):  # type: ignore[no-untyped-def]
+def _quantize_row_int16(x, high, low):
     """:func:`griffin.ops.matvec.quantize_row_int16` of x (K,) (float32, or bfloat16 as its uint16 bits),
     the same float32 operations, written as the high and low bytes (K,) uint8 of u = x_int16 + 32768; returns the
     step, or 0 if x has an infinite or NaN entry."""
@@ -486,8 +486,9 @@ def vector_sums(weight: Tensor, groups: int) -> Tensor:
     return weight.detach().reshape(n, groups, group)[..., : group - group % VECTOR].sum(-1, dtype=torch.int32)
 
 
-def block_product(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
-    """Block h of a block-diagonal product for every row b: out[b, o0 + o] = bias[h, o] + sum_i x[b, x0 + i]
+def block_product(x, x0, w, scale, bias, h, out, o0, w_row):
+    """Mirrors block h of :meth:`griffin.layers.BlockDiagonalLinear.forward` (and of its int8 version) for every row
+    b: out[b, o0 + o] = bias[h, o] + sum_i x[b, x0 + i]
     w[h, i, o], x and w as stored (float32, or bfloat16 bits; w also int8, times ``scale`` (H, Dout) float32, one
     per block and output column: the sum over i is scaled once), out float32, w_row a float32 scratch of Dout. Each
     row of the block's (Din, Dout) matrix is widened once for all the rows of x and added, times their entries, to
@@ -496,7 +497,7 @@ def block_product(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-
 
 
 @numba.njit(inline="always", fastmath=True)
-def _add_rows(x, x0, w, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+def _add_rows(x, x0, w, h, out, o0, w_row):
     """out[b, o0 + o] += sum_i x[b, x0 + i] w[h, i, o] for every row b of x, w's entries widened to float32 (int8
     ones as their values), vectorised over o: at one row straight into the output row; at several each row of the
     block widened once into w_row for all of them."""
@@ -519,9 +520,9 @@ def _add_rows(x, x0, w, h, out, o0, w_row):  # type: ignore[no-untyped-def]
 
 
 @overload(block_product, inline="always")
-def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):
     if w.dtype == types.int8:
-        def int8(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+        def int8(x, x0, w, scale, bias, h, out, o0, w_row):
             Dout = w.shape[2]
             for b in range(x.shape[0]):
                 for o in range(Dout):
@@ -534,7 +535,7 @@ def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: igno
 
         return int8
 
-    def stored(x, x0, w, scale, bias, h, out, o0, w_row):  # type: ignore[no-untyped-def]
+    def stored(x, x0, w, scale, bias, h, out, o0, w_row):
         for b in range(x.shape[0]):
             for o in range(w.shape[2]):
                 out[b, o0 + o] = widen(bias[h, o])
@@ -544,7 +545,7 @@ def _block_product_impl(x, x0, w, scale, bias, h, out, o0, w_row):  # type: igno
 
 
 @kernel(parallel=True, fastmath=True)
-def _block_diagonal_kernel(x, w, scale, bias, out):  # type: ignore[no-untyped-def]
+def _block_diagonal_kernel(x, w, scale, bias, out):
     """out[b, h Dout + o] = sum_i x[b, h Din + i] w[h, i, o] + bias[h, o], the RG-LRU's block-diagonal gates
     (Section 2.4): x (B, H Din) float32 (or bfloat16 bits), w (H, Din, Dout) as stored (float32 or bfloat16 bits, or
     int8 with ``scale`` (H, Dout)), bias (H, Dout) float32, out (B, H Dout) float32. A task per block
@@ -586,6 +587,7 @@ def block_diagonal_cpu(x: Tensor, weight: Tensor, bias: Tensor, scale: Tensor | 
     flat = x.reshape(-1, H * Din)
     out = torch.empty(flat.shape[0], H * Dout, dtype=torch.float32)
     if flat.shape[0]:
+        parallel_ready()
         _block_diagonal_kernel(_widen_view(flat), w, s, bias.numpy(), out.numpy())
     return out.reshape(*x.shape[:-1], H * Dout).to(x.dtype)
 
@@ -672,6 +674,7 @@ def matvec_cpu(x: Tensor, prepared: MatvecWeights, out_dtype: torch.dtype | None
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape[0], prepared.out_features, dtype=torch.float32)
     if flat.shape[0]:
+        parallel_ready()
         _matvec_rows_kernel(_widen_view(flat), *prepared.kernel_args(), kernel_settings(), out.numpy())
     out = out.reshape(*x.shape[:-1], prepared.out_features)
     return out.to(out_dtype or x.dtype)
@@ -702,7 +705,7 @@ PRANGE_ONLY = dict(comprehension=False, reduction=False, inplace_binop=False, se
 
 
 @numba.njit(inline="always")
-def rows_buffers(x):  # type: ignore[no-untyped-def]
+def rows_buffers(x):
     """What :func:`prepare_rows` writes for rows x (B, K), allocated before a parallel region (its tasks share them):
     (path (1,) int64, x widened to float32 (B, K), high and low bytes of its int16 steps (B', K) uint8 zeros with B'
     B rounded up to :data:`griffin.inference.cpu.isa.ROWS`, steps (B,) float32, the tile unit's packed input
@@ -715,7 +718,7 @@ def rows_buffers(x):  # type: ignore[no-untyped-def]
             np.zeros((P, K // 4 + 1, TILE_BYTES), np.uint8))
 
 
-def prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+def prepare_rows(x, arrays, settings, buffers):
     """Choose the path for rows x (B, K) (float32, or bfloat16 as its uint16 bits) times matrices prepared as
     :class:`MatvecWeights` holds them, and prepare x for it into ``buffers`` (:func:`rows_buffers`). ``settings`` is
     :func:`kernel_settings`: where it says so and the host has the instruction, one bfloat16 row times bfloat16
@@ -728,7 +731,7 @@ def prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def _widen_rows(x, buffers):  # type: ignore[no-untyped-def]
+def _widen_rows(x, buffers):
     rows = buffers[1]
     for b in range(x.shape[0]):
         for k in range(x.shape[1]):
@@ -737,10 +740,10 @@ def _widen_rows(x, buffers):  # type: ignore[no-untyped-def]
 
 
 @overload(prepare_rows)
-def _prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+def _prepare_rows(x, arrays, settings, buffers):
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
     if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
-        def bf16(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+        def bf16(x, arrays, settings, buffers):
             if x.shape[0] == 1 and settings[0]:
                 buffers[0][0] = BF16_ROW
             else:
@@ -750,7 +753,7 @@ def _prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
     if stored == types.int8 and "int8" in DOT_INSTRUCTIONS:
         tile_unit = bool(TILE_INSTRUCTIONS)  # (LLVM cannot compile the tile kernel for a host without it)
 
-        def int8(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+        def int8(x, arrays, settings, buffers):
             path, _, high, low, steps, packed = buffers
             B = x.shape[0]
             if settings[1]:
@@ -770,20 +773,20 @@ def _prepare_rows(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
 
         return int8
 
-    def widened(x, arrays, settings, buffers):  # type: ignore[no-untyped-def]
+    def widened(x, arrays, settings, buffers):
         _widen_rows(x, buffers)
 
     return widened
 
 
-def rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+def rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
     """Tile t of out (B, N) float32 = x (B, K) times the matrices (:class:`MatvecWeights`'s
     :meth:`~MatvecWeights.kernel_args`), on the path :func:`prepare_rows` chose (``buffers``). Numba only."""
     raise NotImplementedError
 
 
 @numba.njit(inline="always")
-def _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out):  # type: ignore[no-untyped-def]
+def _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out):
     rows = buffers[1]
     if rows.shape[0] == 1:
         _one_row_task(t, rows[0], arrays, tiles, scale, bias, settings[2], out[0])
@@ -792,7 +795,7 @@ def _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out):  
 
 
 @numba.njit(inline="always")
-def _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+def _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out):
     path, _, high, low, steps, _ = buffers
     if path[0] == INT8_ROW:
         _one_row_int8_task(t, high[0], low[0], steps[0], arrays, tiles, sums, scale, bias, settings[2], out[0])
@@ -803,10 +806,10 @@ def _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out)
 
 
 @overload(rows_task, inline="always")
-def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
     if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
-        def bf16(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+        def bf16(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
             if buffers[0][0] == BF16_ROW:
                 _one_row_bf16_task(t, x[0], arrays, tiles, bias, settings[2], out[0])
             else:
@@ -818,7 +821,7 @@ def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out): 
             return lambda t, x, buffers, arrays, tiles, scale, bias, sums, settings, out: _int8_rows_task(
                 t, buffers, arrays, tiles, scale, bias, sums, settings, out)
 
-        def tiled(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+        def tiled(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
             path, _, high, low, steps, packed = buffers
             if path[0] == INT8_TILES:
                 _tile_unit_task(t, high, low, packed, steps, arrays, tiles, sums, scale, bias, _TILE_CONFIG, out)
@@ -831,7 +834,7 @@ def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out): 
 
 
 @kernel(parallel=PRANGE_ONLY, fastmath=True)
-def _matvec_rows_kernel(x, arrays, tiles, scale, bias, sums, settings, out):  # type: ignore[no-untyped-def]
+def _matvec_rows_kernel(x, arrays, tiles, scale, bias, sums, settings, out):
     """out (B, N) float32 = x (B, K) times the matrices: :func:`prepare_rows`, then the tasks of all tiles
     (:func:`rows_task`) in one parallel region."""
     buffers = rows_buffers(x)

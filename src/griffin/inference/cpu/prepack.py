@@ -23,7 +23,10 @@ from griffin.model import TiedOutput
 
 
 def can_prepack(weight: Tensor) -> bool:
-    """Whether :class:`PackedLinear` can hold ``weight``: a float32/bfloat16 CPU matrix, PyTorch with oneDNN."""
+    """Whether :class:`PackedLinear` can hold ``weight``: a float32 CPU matrix, or a bfloat16 one where oneDNN has a
+    bfloat16 path on this CPU (AVX-512 or AVX-NE-CONVERT), PyTorch with oneDNN."""
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

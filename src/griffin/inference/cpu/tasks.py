@@ -38,13 +38,13 @@ _PAUSE = {"x86_64": ("llvm.x86.sse2.pause", []), "AMD64": ("llvm.x86.sse2.pause"
           "aarch64": ("llvm.aarch64.hint", [1]), "arm64": ("llvm.aarch64.hint", [1])}.get(platform.machine())
 
 
-def _counter_pointer(context, builder, sig, args):  # type: ignore[no-untyped-def]
+def _counter_pointer(context, builder, sig, args):
     counters = context.make_array(sig.args[0])(context, builder, args[0])
     index = context.cast(builder, args[1], sig.args[1], types.intp)
     return builder.gep(counters.data, [index])
 
 
-def _check_counters(counters, index):  # type: ignore[no-untyped-def]
+def _check_counters(counters, index):
     if not (isinstance(counters, types.Array) and counters.dtype == types.int64 and counters.ndim == 1
             and counters.layout == "C" and isinstance(index, types.Integer)):
         raise TypingError(f"tasks: counters are a C-contiguous 1-D int64 array and an integer index, got {counters} "
@@ -52,11 +52,11 @@ def _check_counters(counters, index):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _fetch_add(typingctx, counters, index):  # type: ignore[no-untyped-def]
+def _fetch_add(typingctx, counters, index):
     """counters[index] += 1, atomically; returns the value before."""
     _check_counters(counters, index)
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         ptr = _counter_pointer(context, builder, sig, args)
         return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "seq_cst")
 
@@ -64,20 +64,20 @@ def _fetch_add(typingctx, counters, index):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _load(typingctx, counters, index):  # type: ignore[no-untyped-def]
+def _load(typingctx, counters, index):
     """counters[index], read atomically (acquire: what was written before it was set is visible after)."""
     _check_counters(counters, index)
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         return builder.load_atomic(_counter_pointer(context, builder, sig, args), "acquire", 8)
 
     return types.int64(counters, index), codegen
 
 
 @intrinsic
-def _pause(typingctx):  # type: ignore[no-untyped-def]
+def _pause(typingctx):
     """The spin-wait hint (x86 ``pause``, Arm ``yield``; nothing elsewhere)."""
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         if _PAUSE is not None:
             name, hint = _PAUSE
             i32 = ir.IntType(32)
@@ -89,10 +89,10 @@ def _pause(typingctx):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _sched_yield(typingctx):  # type: ignore[no-untyped-def]
+def _sched_yield(typingctx):
     """POSIX ``sched_yield()``: let another runnable thread have this core (a call to the C library, resolved when
     numba links the function, so that the function stays cacheable)."""
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, sig, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
         builder.call(fn, [])
         return context.get_dummy_value()
@@ -104,7 +104,7 @@ LINE = 8  # int64 entries per counter: each on a cache line of its own (threads 
 
 
 @numba.njit(inline="always")
-def counters(phases, workers):  # type: ignore[no-untyped-def]
+def counters(phases, workers):
     """Counters for ``phases`` phases shared by ``workers`` workers (the region's ``prange`` indices)."""
     c = np.zeros((1 + phases * 2 * workers) * LINE, np.int64)
     c[0] = workers
@@ -112,14 +112,14 @@ def counters(phases, workers):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def _slot(counters, phase, r):  # type: ignore[no-untyped-def]
+def _slot(counters, phase, r):
     """Counter r of ``phase``: r < workers counts the tasks claimed from worker r's share, workers + r those that
     worker r has done."""
     return (1 + phase * 2 * counters[0] + r) * LINE
 
 
 @numba.njit(inline="always")
-def claim(counters, phase, worker, tasks):  # type: ignore[no-untyped-def]
+def claim(counters, phase, worker, tasks):
     """The next of ``phase``'s ``tasks`` tasks for ``worker``, or ``tasks`` if none is left. The tasks are split
     into one contiguous share per worker, which it takes in order (so that the weights it reads stay one stream),
     then it takes what is left of the others' shares."""
@@ -134,13 +134,13 @@ def claim(counters, phase, worker, tasks):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def finish(counters, phase, worker):  # type: ignore[no-untyped-def]
+def finish(counters, phase, worker):
     """Mark one task of ``phase`` done by ``worker`` (after its writes)."""
     _fetch_add(counters, _slot(counters, phase, counters[0] + worker))
 
 
 @numba.njit(inline="always")
-def wait(counters, phase, tasks):  # type: ignore[no-untyped-def]
+def wait(counters, phase, tasks):
     """Return once ``tasks`` tasks of ``phase`` are done: spin, yielding the core every :data:`SPINS` turns."""
     workers = counters[0]
     spins = 0
@@ -159,7 +159,7 @@ def wait(counters, phase, tasks):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
-def single(counters, phase):  # type: ignore[no-untyped-def]
+def single(counters, phase):
     """Whether the calling thread is the one to run ``phase``'s only task (the first to ask); it calls
     :func:`finish` after it, and every thread :func:`wait` (``tasks`` 1)."""
     return _fetch_add(counters, _slot(counters, phase, 0)) == 0

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from numba import prange
 from torch import Tensor
 
-from griffin.ops.jit import exp_vectorizable, kernel, sigmoid_vectorizable
+from griffin.ops.jit import exp_vectorizable, kernel, parallel_ready, sigmoid_vectorizable
 from griffin.ops.rg_lru.reference import MAX_SQRT_GRADIENT
 from griffin.ops.scan.cpu import channel_chunk, empty_like_hugepages
 from griffin.ops.scan.reference import accumulation_dtype
@@ -120,6 +120,7 @@ def rg_lru_cpu_fwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor,
     reset_ = torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.contiguous()
     h = empty_like_hugepages(xs)
     h_last = torch.empty_like(h0_)
+    parallel_ready()
     _forward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), lmax.numpy(), h0_.numpy(), reset_.numpy(),
                     channel_chunk(batch, dim), h.numpy(), h_last.numpy())
     if acc == x.dtype:
@@ -128,7 +129,7 @@ def rg_lru_cpu_fwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor,
 
 
 @rg_lru_cpu_fwd.register_fake
-def _(x, gate_x, gate_a, log_a_max, h0, reset):  # type: ignore[no-untyped-def]
+def _(x, gate_x, gate_a, log_a_max, h0, reset):
     acc = accumulation_dtype(x.dtype)
     states = x.new_empty(x.shape, dtype=acc) if acc != x.dtype else x.new_empty(0, dtype=acc)
     return torch.empty_like(x), x.new_empty(x.shape[0], x.shape[2], dtype=acc), states
@@ -147,6 +148,7 @@ def rg_lru_cpu_bwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor,
     g, g_last = _prep(grad_y, acc), _prep(grad_h_last, acc)
     dx, dgx, dga = empty_like_hugepages(xs), empty_like_hugepages(xs), empty_like_hugepages(xs)
     dlog_a_max, dh0 = torch.empty_like(h0_), torch.empty_like(h0_)
+    parallel_ready()
     _backward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), lmax.numpy(), h0_.numpy(), reset_.numpy(), hs.numpy(),
                      g.numpy(), g_last.numpy(), channel_chunk(batch, dim), dx.numpy(), dgx.numpy(), dga.numpy(),
                      dlog_a_max.numpy(), dh0.numpy())
@@ -154,21 +156,21 @@ def rg_lru_cpu_bwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor,
 
 
 @rg_lru_cpu_bwd.register_fake
-def _(x, gate_x, gate_a, log_a_max, h0, reset, h, grad_y, grad_h_last):  # type: ignore[no-untyped-def]
+def _(x, gate_x, gate_a, log_a_max, h0, reset, h, grad_y, grad_h_last):
     acc = accumulation_dtype(x.dtype)
     state = x.new_empty(x.shape[0], x.shape[2], dtype=acc)
     return (torch.empty_like(x), torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[2], dtype=acc),
             state)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup_context(ctx, inputs, output) -> None:
     x, gate_x, gate_a, log_a_max, h0, reset = inputs
     y, _, states = output
     ctx.mark_non_differentiable(states)
     ctx.save_for_backward(x, gate_x, gate_a, log_a_max, h0, reset, states if states.numel() else y)
 
 
-def _backward(ctx, grad_y: Tensor | None, grad_h_last: Tensor | None, _grad_states: Tensor | None):  # type: ignore[no-untyped-def]
+def _backward(ctx, grad_y: Tensor | None, grad_h_last: Tensor | None, _grad_states: Tensor | None):
     x, gate_x, gate_a, log_a_max, h0, reset, h = ctx.saved_tensors
     acc = accumulation_dtype(x.dtype)
     grad_y = torch.zeros_like(x) if grad_y is None else grad_y

@@ -16,12 +16,12 @@ class SqrtBoundDerivative(torch.autograd.Function):
     """sqrt(x) whose derivative is clipped at MAX_SQRT_GRADIENT (stable in bfloat16 as a_t -> 1)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x)
         return torch.sqrt(x)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx, grad_output: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         return grad_output / torch.sqrt(torch.clip(4.0 * x, min=1.0 / MAX_SQRT_GRADIENT**2))
 

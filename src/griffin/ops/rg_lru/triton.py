@@ -455,14 +455,14 @@ def _rg_lru_bwd(
     return dx, dgx, dga, dscale.sum(dim=(0, 1)), dh0
 
 
-def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup_context(ctx, inputs, output) -> None:
     x, gate_x, gate_a, scale, _, reset, _, chunk_t = inputs
     ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(x, gate_x, gate_a, scale, reset, output[2])
     ctx.chunk_t = chunk_t
 
 
-def _backward(ctx, dy: Tensor, dh_last: Tensor, _dckpt: Tensor):  # type: ignore[no-untyped-def]
+def _backward(ctx, dy: Tensor, dh_last: Tensor, _dckpt: Tensor):
     x, gate_x, gate_a, scale, reset, ckpt = ctx.saved_tensors
     need_dh0 = ctx.needs_input_grad[4]
     if ckpt.shape[1] == 0:

@@ -29,7 +29,7 @@ from numba import prange
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from griffin.ops.jit import kernel
+from griffin.ops.jit import kernel, parallel_ready
 from griffin.ops.scan.reference import accumulation_dtype, check_scan_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -169,6 +169,7 @@ def _forward(a: Tensor, b: Tensor, h0: Tensor, reset: Tensor) -> tuple[Tensor, T
     """The forward kernel on contiguous float32/float64 inputs: h and h_last (new tensors)."""
     h = empty_like_hugepages(a)
     h_last = torch.empty_like(h0)
+    parallel_ready()
     _forward_kernel(_np(a), _np(b), _np(h0), _np(reset), channel_chunk(a.shape[0], a.shape[2]), _np(h), _np(h_last))
     return h, h_last
 
@@ -196,6 +197,7 @@ def _backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernel on contiguous float32/float64 tensors: grad_a, grad_b, grad_h0 (the carry into h0)."""
     grad_a, grad_b, grad_h0 = empty_like_hugepages(a), empty_like_hugepages(a), torch.empty_like(h0)
+    parallel_ready()
     _backward_kernel(
         _np(a), _np(h), _np(h0), _np(reset), _np(g), _np(g_last), channel_chunk(a.shape[0], a.shape[2]),
         _np(grad_a), _np(grad_b), _np(grad_h0),
