@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from griffin.data.sources import default_corpus_files, expand_inputs, iter_file_documents, split_pieces
-from griffin.data.tokenizer import Tokenizer, load_tokenizer
+from griffin.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file
 
 FORMAT = "griffin-tokens"
 FORMAT_VERSION = 1
@@ -45,9 +45,7 @@ def _tokenizer_file(spec: str | Path) -> Path | None:
     if str(spec) == "bytes":
         return None
     path = Path(spec)
-    if path.is_dir():
-        path = next(p for p in (path / "tokenizer.json", path / "tokenizer.model") if p.exists())
-    return path
+    return tokenizer_file(path) if path.is_dir() else path
 
 
 def _resolve_dtype(dtype: str | None, vocab_size: int) -> str:
