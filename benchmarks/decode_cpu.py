@@ -71,7 +71,7 @@ from griffin import CausalLM, Decoder, ModelConfig, generate_stream, prefill
 from griffin.inference.cpu import matvec as matvec_cpu
 from griffin.inference.cpu.fused import FusedResidualBlock
 from griffin.inference.cpu.linear import Int8PackLinear, MatvecBlockDiagonal, MatvecLinear, int8pack_for
-from griffin.inference.cpu.prepack import PackedLinear
+from griffin.inference.cpu.prepack import PackedLinear, can_prepack
 from griffin.inference.generate import decode_model
 from griffin.quantize import quantization_of, quantize_int8
 
@@ -192,9 +192,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def one_call_per_block(dtype: str, batch: int) -> bool:
     """Whether the decode copy's stack of blocks is one call per step (their projections are the matvec kernel's: any
-    model at one row, int8 at a few rows where the host has ``vpdpbusd``;
-    :func:`griffin.inference.generate.decode_model`)."""
-    return batch == 1 or (dtype == "int8" and not int8pack_for(batch))
+    model at one row, int8 at a few rows where the host has ``vpdpbusd``, bfloat16 where oneDNN has no bfloat16 path
+    on this CPU; :func:`griffin.inference.generate.decode_model`)."""
+    return (batch == 1 or (dtype == "int8" and not int8pack_for(batch))
+            or (dtype == "bfloat16" and not can_prepack(torch.zeros(1, 1, dtype=torch.bfloat16))))
 
 
 def kernel_by_kernel(model: CausalLM, batch: int) -> torch.nn.Module:
@@ -330,7 +331,7 @@ def split_step(model: CausalLM, prompts: torch.Tensor, warmup: int, steps: int) 
     try:
         patch(timed)
         _, cache = prefill(model, prompts, max_length=prompts.shape[1] + warmup + 2 * steps + 2)
-        dtype = "int8" if quantization_of(model) is not None else "float"
+        dtype = "int8" if quantization_of(model) is not None else str(model.dtype).removeprefix("torch.")
         decoder = Decoder(kernel_by_kernel(model, prompts.shape[0]) if one_call_per_block(dtype, prompts.shape[0])
                           else model, cache)
         steps_ms(decoder, warmup)

@@ -77,17 +77,18 @@ def _bf16_loop(x, w, reps):  # type: ignore[no-untyped-def]
     return total
 
 
-def instruction_rates(seconds: float = 1.0) -> dict[str, float]:
+def instruction_rates(seconds: float = 1.0, dots: frozenset[str] | None = None) -> dict[str, float]:
     """G instructions/s of one thread on L1-resident operands: ``vpdpbusd`` in the several-row block, ``vdpbf16ps``
-    in the one-row dot (only those the host has)."""
+    in the one-row dot, for the weight dtypes in ``dots`` (default: those the host has, ``FAST_DOTS``)."""
+    dots = matvec_module.FAST_DOTS if dots is None else dots
     rates, k = {}, 2048 + 512
-    if "int8" in matvec_module.FAST_DOTS:
+    if "int8" in dots:
         rows, weight_rows = isa.ROWS, isa.WEIGHT_ROWS
         high, low = (np.random.randint(0, 256, (rows, k)).astype(np.uint8) for _ in range(2))
         w = np.random.randint(-128, 128, (weight_rows, k)).astype(np.int8)
         per_call = (k - 256) // 64 * 2 * rows * weight_rows
         rates["vpdpbusd"] = _rate(lambda n: _int8_block_loop(high, low, w, n), per_call, seconds)
-    if "bfloat16" in matvec_module.FAST_DOTS:
+    if "bfloat16" in dots:
         x, w16 = (np.random.randint(0, 1 << 14, k).astype(np.uint16) for _ in range(2))
         rates["vdpbf16ps"] = _rate(lambda n: _bf16_loop(x, w16, n), (k - 512) // 32, seconds)
     return rates

@@ -1,12 +1,14 @@
 """How OpenMP's idle threads wait, and what it costs a forward pass, a training step and decode steps on CPU.
 
-griffin sets ``OMP_WAIT_POLICY=passive`` (``griffin/__init__.py``): a worker thread with nothing to do sleeps at
-once, so that torch's and numba's workers never spin against each other or against other processes on a shared
-host. Waking a sleeping worker costs tens of microseconds per parallel region, and a decode step at batch 1 runs
-about 130 of them (a numba kernel per weight-matrix group and per RG-LRU gate). ``GOMP_SPINCOUNT=N`` makes idle
-workers spin about N pause instructions first, so that back-to-back regions find them awake.
+The griffin command sets ``OMP_WAIT_POLICY=passive`` (:func:`griffin.threads.prefer_passive_openmp_wait`): a worker
+thread with nothing to do sleeps at once, so that torch's and numba's workers never spin against each other or
+against other processes on a shared host. Waking a sleeping worker costs tens of microseconds per parallel region,
+and a decode step at batch 1 runs about 130 of them (a numba kernel per weight-matrix group and per RG-LRU gate).
+``GOMP_SPINCOUNT=N`` makes idle workers spin about N pause instructions first, so that back-to-back regions find
+them awake.
 
-The runtime reads both variables when it loads, so each setting runs in a child process of its own. For each
+The runtime reads both variables when it loads, so each setting runs in a child process of its own, whose OpenMP
+runtimes display the settings they read (``OMP_DISPLAY_ENV=VERBOSE``, recorded as ``runtimes``). For each
 setting and each load level (``--loads``: that many busy-looping processes started beside the child, standing in
 for other tenants), the child times, on random weights:
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -86,6 +89,7 @@ def run_setting(spin: int, load: int, args: argparse.Namespace) -> dict:
     env["OMP_WAIT_POLICY"] = "passive"
     if spin != PASSIVE:
         env["GOMP_SPINCOUNT"] = str(spin)
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # each OpenMP runtime the child loads prints the settings it read (stderr)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
     try:
         argv = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--repeats", str(args.repeats),
@@ -97,7 +101,22 @@ def run_setting(spin: int, load: int, args: argparse.Namespace) -> dict:
             p.wait()
     if done.returncode:
         raise RuntimeError(f"the child for GOMP_SPINCOUNT={spin}, load {load} failed:\n{done.stderr[-3000:]}")
-    return dict(spin=spin, load=load, **json.loads(done.stdout.strip().splitlines()[-1]))
+    return dict(spin=spin, load=load, runtimes=openmp_displays(done.stderr),
+                **json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def openmp_displays(stderr: str) -> list[dict[str, str]]:
+    """The settings each OpenMP runtime of a process displayed (``OMP_DISPLAY_ENV``): name -> value, one per runtime."""
+    displays: list[dict[str, str]] = []
+    inside = False
+    for line in map(str.strip, stderr.splitlines()):
+        if line in ("OPENMP DISPLAY ENVIRONMENT BEGIN", "OPENMP DISPLAY ENVIRONMENT END"):
+            inside = line.endswith("BEGIN")
+            displays += [{}] if inside else []
+        elif inside and " = " in line:
+            name, value = line.split(" = ", 1)
+            displays[-1].setdefault(re.sub(r"^\[\w+\] ", "", name), value.strip("'"))  # (newer: [host] NAME)
+    return displays
 
 
 def main(argv: list[str] | None = None) -> int:

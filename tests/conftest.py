@@ -7,7 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
+
+import griffin.threads
+
+griffin.threads.prefer_passive_openmp_wait()  # as the griffin command does, before torch loads its OpenMP runtime
+import torch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -61,6 +65,24 @@ def gen(request) -> torch.Generator:
     seed = int(os.environ.get("GRIFFIN_TEST_SEED", random.SystemRandom().randrange(2**31)))
     print(f"{request.node.nodeid}: GRIFFIN_TEST_SEED={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def fault_in_children(monkeypatch):
+    """``fault_in_children("step:45")``: the Python processes this test starts from then on die by SIGKILL at that
+    point of training (``tests/faults`` patches griffin in them from outside); ``fault_in_children(None)``: they run
+    through. The environment is restored after the test."""
+    from tests.faults import ENV, child_env
+
+    def inject(fault: str | None) -> None:
+        env = child_env(fault)
+        for key in ("PYTHONPATH", ENV):
+            if key in env:
+                monkeypatch.setenv(key, env[key])
+            else:
+                monkeypatch.delenv(key, raising=False)
+
+    return inject
 
 
 def seed_torch(gen: torch.Generator) -> None:

@@ -64,17 +64,17 @@ def test_a_tiny_scaling_grid_runs_end_to_end_then_skips_what_is_done(dataset, fi
         run_grid(changed, tmp_path, progress=False)
 
 
-def test_an_interrupted_run_resumes_exactly(dataset, finished, tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_exactly(dataset, finished, tmp_path, fault_in_children):
     grid = tiny_ladder(rungs=[{"name": "d16", "width": 16, "depth": 3}], families=("griffin",)).grid(
         1.0, {"data": str(dataset)})
     whole = next(r for r in finished[1]["runs"] if r["name"] == "griffin-d16")  # the same run, uninterrupted
-    monkeypatch.setenv("GRIFFIN_FAULT", "step:45")  # the training process is killed after step 45
+    fault_in_children("step:45")  # the training process is killed after step 45
     failed = r"(?s)run griffin-d16 failed \(killed by signal 9\).*again to resume"
     with pytest.raises(ExperimentError, match=failed) as err:
         run_grid(grid, tmp_path, threads=1, progress=False)
     assert is_user_error(err.value)  # griffin experiment: one line and exit status 2, no traceback
     assert not (tmp_path / "runs/griffin-d16/result.json").exists()
-    monkeypatch.delenv("GRIFFIN_FAULT")
+    fault_in_children(None)
     resumed = run_grid(grid, tmp_path, threads=1, progress=False)["runs"][0]
     assert "resumed from" in (tmp_path / "runs/griffin-d16/train.log").read_text()
     assert resumed["summary"]["val_loss"] == whole["summary"]["val_loss"]

@@ -91,10 +91,6 @@ def test_fused_sdpa_shares_key_heads_without_enable_gqa_under_a_mask(gen, monkey
     assert calls[0].get("enable_gqa", False) == (kv_heads != H and not masked)
 
 
-def test_default_chunk_is_a_fraction_of_the_window():
-    assert [local_chunk(w) for w in (1, 256, 1024, 2048, 100_000)] == [64, 64, 256, 256, 256]
-
-
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any operator returns while active (in elements)."""
 
@@ -108,6 +104,21 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+@pytest.mark.parametrize("window", [3, 100, 600, 1500])
+def test_default_chunk_gives_the_reference_within_its_band(gen, window):
+    """With the default chunk (windows below, inside and above the range where it is a quarter of the window), over
+    several chunks, a shorter last one and a cache: the reference's result, and no tensor larger than the band of
+    keys a chunk can see, B H T (C + window - 1)."""
+    C = local_chunk(window)
+    B, T, P, H = 2, 3 * C + 5, 7, 2
+    q, k, v, qs, ks = inputs(gen, B, T, P, H, 1, 8, torch.float64, segments=window == 100)
+    with LargestTensor() as mode:
+        out = sliding_window_attention(q, k, v, window, None, qs, ks)
+    assert mode.largest <= B * H * T * (C + window - 1), mode.largest
+    torch.testing.assert_close(out, sliding_window_attention_ref(q, k, v, window, None, qs, ks), rtol=1e-12,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("segments", [False, True])

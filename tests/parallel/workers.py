@@ -252,7 +252,10 @@ def train_step(model: CausalLM, opt: torch.optim.Optimizer, b: dict, dims: Paral
 
 
 def killed_during_save(rank: int, world: int, out: Path, seed: int, root: str) -> dict:
-    """Save step 1, then step 2 with rank 1 killed (SIGKILL) right after writing its shard."""
+    """Save step 1, then step 2 with rank 1 killed (SIGKILL) right after writing its shard (tests/faults)."""
+    from tests.faults import install
+
+    install("sharded_checkpoint:2:1")  # patches this process's griffin.parallel.checkpoint; step 1 is saved whole
     dims = ParallelDims(1, world, 1)
     mesh = build_mesh(dims, "cpu")
     config = tiny("griffin")
@@ -263,7 +266,6 @@ def killed_during_save(rank: int, world: int, out: Path, seed: int, root: str) -
     train_step(model, opt, data[0], dims, rank)
     save_sharded(Path(root) / "step_00000001", model, opt, {"step": 1})
     train_step(model, opt, data[1], dims, rank)
-    os.environ["GRIFFIN_FAULT"] = "sharded_checkpoint:2:1"
     save_sharded(Path(root) / "step_00000002", model, opt, {"step": 2})
     return {"finished": True}
 

@@ -3,10 +3,11 @@ non-finite losses and the `griffin train` command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from griffin import CausalLM, load_pretrained
+from griffin import CausalLM, ModelConfig, load_pretrained
 from griffin.cli import main
 from griffin.interop import CheckpointError
 from griffin.training import TrainConfig, Trainer, TrainingError, train
 from griffin.training.checkpoint import find_resumable, list_checkpoints, verify_checkpoint
 from griffin.training.trainer import build_optimizer, learning_rate, no_weight_decay
 from tests.conftest import WORDS, words_dataset
+from tests.faults import child_env, install
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +80,83 @@ def test_config_precedence_and_model_overrides(tmp_path):
     assert (model.family, model.depth, model.width, model.vocab_size) == ("hawk", 3, 64, 300)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[2] / "configs").glob("*.toml")))
-def test_shipped_configs_load(name):
-    cfg = TrainConfig.from_toml(Path(__file__).parents[2] / "configs" / name)
-    cfg.model_config(vocab_size=256)
+CONFIGS = Path(__file__).parents[2] / "configs"
+PAPER_CONFIG = re.compile(r"paper-(hawk|griffin|mqa)-(\d+(?:\.\d+)?)([mb])\.toml")
+CPU_CONFIGS = {"cpu-demo.toml": "griffin", "hawk-cpu.toml": "hawk", "mqa-cpu.toml": "mqa"}
+
+
+def _as_trained_by_the_cli(path: Path, monkeypatch, *flags: str) -> TrainConfig:
+    """The TrainConfig ``griffin train --config path *flags`` trains with (training itself stubbed out)."""
+    import griffin.training
+    from griffin.training.trainer import TrainResult
+
+    seen = []
+
+    def fake_train(cfg):
+        seen.append(cfg)
+        return TrainResult(0, math.nan, math.nan, math.nan, 0.0, Path(cfg.out), Path(cfg.out))
+
+    monkeypatch.setattr(griffin.training, "train", fake_train)
+    assert main(["train", "--config", str(path), *flags]) == 0
+    (cfg,) = seen
+    return cfg
+
+
+def _parameters(cfg: TrainConfig) -> tuple[ModelConfig, int]:
+    with torch.device("meta"):  # the 1.3B models too, without their memory
+        model = CausalLM(cfg.model_config())
+    return model.config, model.num_parameters()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
+def test_shipped_config_is_read_alike_by_the_cli_and_claimed_below(name, monkeypatch):
+    """`griffin train --config` trains each shipped config as written (a flag overriding one key), its model
+    builds, and each file is one whose claims the tests below check."""
+    path = CONFIGS / name
+    cfg = TrainConfig.from_toml(path)
+    assert _as_trained_by_the_cli(path, monkeypatch) == cfg
+    assert _as_trained_by_the_cli(path, monkeypatch, "--max-steps", "7") == dataclasses.replace(cfg, max_steps=7)
+    model, n = _parameters(cfg)
+    assert cfg.preset.startswith(model.family + "-") and n > 0
+    assert PAPER_CONFIG.fullmatch(name) or name in CPU_CONFIGS, f"configs/{name}: no test checks what it claims"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("paper-*.toml")))
+def test_paper_configs_are_what_their_names_and_comments_say(name):
+    """paper-FAMILY-SIZE.toml: the FAMILY-SIZE preset, about SIZE parameters, a 32K vocabulary, and the sequence
+    length, batch, accumulation and token budget its comment states."""
+    path = CONFIGS / name
+    family, size, unit = PAPER_CONFIG.fullmatch(name).groups()
+    cfg = TrainConfig.from_toml(path)
+    model, n = _parameters(cfg)
+    assert cfg.preset == f"{family}-{size}{unit}" and model.family == family
+    assert 0.8 < n / (float(size) * {"m": 1e6, "b": 1e9}[unit]) < 1.2, n
+    assert round(model.vocab_size / 1000) == 32
+    comment = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
+    assert "bf16 autocast" in comment and cfg.precision in ("auto", "bf16")
+    seq_len = int(re.search(r"sequences of (\d+) tokens", comment)[1])
+    batch, micro, accum, tokens = re.search(r"batches of\s+(\d+) sequences \((\d+) x (\d+) accumulated\) = "
+                                            r"([\d,]+) tokens", comment).groups()
+    assert (cfg.seq_len, cfg.batch_size, cfg.grad_accum) == (seq_len, int(micro), int(accum))
+    assert cfg.batch_size * cfg.grad_accum == int(batch) and int(batch) * seq_len == int(tokens.replace(",", ""))
+    budget = re.search(r"about (\d+(?:\.(\d+))?)B training tokens", comment)
+    trained = cfg.max_steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len / 1e9
+    assert f"{trained:.{len(budget[2] or '')}f}" == budget[1], trained
+    assert 0 < cfg.warmup_steps < cfg.max_steps
+
+
+def test_cpu_configs_are_the_defaults_and_differ_only_in_the_family():
+    """cpu-demo.toml: a ~1.4M-parameter Griffin with the defaults of `griffin train`; hawk-cpu.toml and
+    mqa-cpu.toml: the same data, budget and schedule with the other families."""
+    demo = TrainConfig.from_toml(CONFIGS / "cpu-demo.toml")
+    assert demo == TrainConfig()
+    for name, family in CPU_CONFIGS.items():
+        cfg = TrainConfig.from_toml(CONFIGS / name)
+        model, n = _parameters(cfg)
+        assert model.family == family and cfg.out == f"runs/{family}-cpu"
+        assert dataclasses.replace(cfg, preset=demo.preset, out=demo.out) == demo
+        if name == "cpu-demo.toml":
+            assert round(n / 1e5) == 14  # "~1.4M-parameter"
 
 
 def test_cli_flags_cover_every_config_field(capsys):
@@ -176,22 +251,18 @@ def test_resume_restores_the_whole_trainer_state(dataset, tmp_path, monkeypatch)
     """A run interrupted after its step-4 checkpoint and resumed ends in the state of one run straight through:
     every counter, the loader, the weights and optimizer, the log, the checkpoints kept and the `best` link. The
     validation losses are scripted so that the best checkpoint (step 2) is neither the first nor the last."""
-    import griffin.training.trainer as trainer_module
-
     scripted = {0: 5.0, 2: 3.0, 4: 4.0, 6: 4.5, 8: 3.5, 10: 3.8}
     monkeypatch.setattr(Trainer, "evaluate", lambda self: scripted[self.step])
     cfg = dict(max_steps=10, eval_interval=2, ckpt_interval=2, keep_last=1, sample_tokens=0)
     straight = Trainer(tiny(dataset, tmp_path / "straight", **cfg))
     straight.run()
 
-    def fault(point, step):
-        if point == "step" and step == 5:
-            raise Interrupted
+    def interrupt():
+        raise Interrupted
 
-    monkeypatch.setattr(trainer_module, "fault_point", fault)
-    with pytest.raises(Interrupted):
+    with monkeypatch.context() as m, pytest.raises(Interrupted):
+        install("step:5", action=interrupt, set_attr=m.setattr)  # after update 5: checkpoint 4 is the newest
         Trainer(tiny(dataset, tmp_path / "resumed", **cfg)).run()
-    monkeypatch.setattr(trainer_module, "fault_point", lambda point, step: None)
     resumed = Trainer(tiny(dataset, tmp_path / "resumed", resume="auto", **cfg))
     assert resumed.step == 4 and resumed.tokens == 4 * 4 * 32 and (resumed.best_val, resumed.best_step) == (3.0, 2)
     resumed.run()
@@ -221,9 +292,9 @@ def test_resume_restores_the_whole_trainer_state(dataset, tmp_path, monkeypatch)
 
 
 def _run_cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GRIFFIN_FAULT": fault or ""}
-    return subprocess.run([sys.executable, "-m", "griffin.cli", "train", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    """``griffin train`` in a child process, killed (SIGKILL) at ``fault`` (tests/faults)."""
+    return subprocess.run([sys.executable, "-m", "griffin.cli", "train", *args], env=child_env(fault),
+                          capture_output=True, text=True, timeout=300)
 
 
 # a kill after a step is also caught through the experiments runner (tests/experiments); the full pair is slow
@@ -238,8 +309,11 @@ def test_sigkill_then_resume_equals_uninterrupted(dataset, tmp_path, fault):
     assert ref.returncode == 0, ref.stderr
     killed = _run_cli([*args, "--out", str(tmp_path / "run")], fault=fault)
     assert killed.returncode == -9
+    # killed where named: after update 5 before its log record; in checkpoint 6 after the model, before the rest
+    assert max(losses(tmp_path / "run")) == {"step:5": 4, "checkpoint:6": 6}[fault]
     if fault.startswith("checkpoint"):
-        assert list((tmp_path / "run" / "checkpoints").glob(".tmp-step_00000006-*"))  # half-written debris
+        (debris,) = (tmp_path / "run" / "checkpoints").glob(".tmp-step_00000006-*")  # half-written debris
+        assert (debris / "model.safetensors").is_file() and not (debris / "optimizer.safetensors").exists()
     resumed = _run_cli([*args, "--out", str(tmp_path / "run"), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout

@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,28 +74,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-
-
-
-
 def _file_info(path: Path) -> dict[str, Any]:
     fsync_path(path)
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-class _Writer(FileSystemWriter):
-    """DCP's file writer with a test hook: ``GRIFFIN_FAULT=sharded_checkpoint:<step>:<rank>`` kills that rank
-    (SIGKILL) right after it wrote its shards, before the checkpoint is complete."""
-
-    def __init__(self, path: Path, fault: str) -> None:
-        super().__init__(path, sync_files=True)
-        self.fault = fault
-
-    def write_data(self, plan, planner):  # type: ignore[override]
-        future = super().write_data(plan, planner)
-        if os.environ.get("GRIFFIN_FAULT") == self.fault:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return future
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -154,9 +134,8 @@ def save_sharded(path: str | Path, model: CausalLM, optimizer: torch.optim.Optim
         tmp.mkdir(parents=True)
     _barrier()
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    step = trainer_state.get("step", "")
     with _quiet_single_process():
-        dcp.save(state, storage_writer=_Writer(tmp, f"sharded_checkpoint:{step}:{rank}"), no_dist=world == 1)
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=world == 1)
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,12 +39,6 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
-
-
-def fault_point(point: str, step: int) -> None:
-    """Test hook: ``GRIFFIN_FAULT=point:step`` kills this process with SIGKILL there (to test exact resume)."""
-    if os.environ.get("GRIFFIN_FAULT") == f"{point}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # Optimizer and RNG state as flat tensors -------------------------------------------------------------
@@ -99,7 +92,6 @@ def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: tor
     tmp.mkdir()
     try:
         save_pretrained(model, tmp)
-        fault_point("checkpoint", step)
         tensors, groups = _optimizer_tensors(optimizer)
         save_file({**tensors, **_rng_tensors()}, str(tmp / OPTIMIZER_STATE), metadata={"library": "griffin"})
         state = {**trainer_state, "step": step, "optimizer_param_groups": groups}

@@ -25,7 +25,6 @@ from griffin.interop import CheckpointError
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.training.checkpoint import (
-    fault_point,
     find_resumable,
     list_checkpoints,
     load_checkpoint,
@@ -512,7 +511,6 @@ class Trainer:
             window_start, window_tokens = time.perf_counter(), self.tokens
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
-                fault_point("step", self.step)
                 elapsed = time.perf_counter() - window_start
                 rate = (self.tokens - window_tokens) / max(elapsed, 1e-9)
                 if bar is not None:

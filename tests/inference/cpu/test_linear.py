@@ -246,7 +246,7 @@ def test_one_row_decodes_through_the_kernel_by_default(gen):
     assert "MatvecLinear" in kinds(decode_model(model, 1)) and "PackedLinear" not in kinds(decode_model(model, 1))
     several = PackedLinear if can_prepack(model.output_weight) else MatvecLinear
     assert isinstance(decode_model(model, 4).lm_head, several)
-    assert isinstance(decode_model(model.float(), 4).lm_head, PackedLinear)  # float32: oneDNN on every CPU
+    assert isinstance(decode_model(copy.deepcopy(model).float(), 4).lm_head, PackedLinear)  # float32: every CPU
     if can_prepack(model.output_weight):
         assert isinstance(decode_model(model, 1, prepack=True).lm_head, PackedLinear)
     int8 = quantize_int8(model)
