@@ -177,8 +177,6 @@ class Worker:
 
 
 def main() -> None:
-    from common import machine_info, table, write_json
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", help="the git revision to compare against (required)")
     parser.add_argument("--head", default=None,
@@ -189,12 +187,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/compare_commits.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker:  # (imports griffin from the version it measures: the controller's helpers may need a newer one)
         worker()
         return
     if not args.base:
         parser.error("--base is required")
     import torch
+    from common import machine_info, table, write_json
 
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout.strip()
