@@ -101,10 +101,11 @@ def compare_training(rank: int, world: int, out: Path, layout: tuple[int, int, i
     """For each family: losses, every gradient (gathered) after the first step, gradient norms and the weights
     after ``steps`` AdamW steps on the layout, against one process; the largest relative differences.
 
-    In float32, AdamW turns rounding differences of gradients near its ``eps`` into update differences up to
-    lr·Δg/(4·eps), and they compound over the steps: one process in float32 against float64 differs by up to
-    1.5e-4 in the weights with lr = 1e-2, eps = 1e-8 (6 seeds, 3 families), by 4.5e-6 with lr = 1e-3,
-    eps = 1e-6, which float32 comparisons use."""
+    In float32, AdamW turns rounding differences Δg of gradients near zero into update differences up to
+    lr·Δg/eps, and they compound over the steps: 2 x 2 against one process in float32 differed by up to 1.7e-5 in
+    the weights with lr = 1e-3, eps = 1e-6 (seed 238550746, MQA), by at most 2.7e-7 with lr = 1e-3, eps = 1e-4
+    (the same seed and 4 others, 3 families), which float32 comparisons use. A wrong gradient still moves a weight
+    by about lr."""
     dims = ParallelDims(*layout)
     mesh = build_mesh(dims, "cpu")
     result = {}
@@ -310,7 +311,7 @@ def four_ranks(rank: int, world: int, out: Path, seed: int, ckpt: str) -> dict:
     """The 4-process part of the default suite: 2 x 2 (dp_shard x tp) against one process in float32, for each
     family; then a sharded checkpoint of a Griffin written on 2 x 2 and the losses of the steps after it."""
     compare = compare_training(rank, world, out, (1, 2, 2), ["hawk", "griffin", "mqa"], "float32", seed, lr=1e-3,
-                               eps=1e-6)
+                               eps=1e-4)
     after = save_then_train(rank, world, out, (1, 2, 2), "griffin", seed, 2, 2, ckpt)
     return {"compare": compare, "after_save": after}
 
