@@ -94,7 +94,7 @@ def test_prepare_bytes(corpus, dataset):
 
 def test_prepare_val_assignment_is_seeded(corpus, tmp_path):
     def val_docs(seed: int, name: str, **kw) -> list[str]:
-        prepare([corpus[0]], tmp_path / name, seed=seed, progress=False, **kw)
+        prepare([corpus[0]], tmp_path / name, seed=seed, progress=False, overwrite=True, **kw)  # "a" twice
         return [bytes(d.astype(np.uint8)).decode() for d in split_documents(tmp_path / name, "val")]
 
     assert val_docs(1, "a", val_fraction=0.1) == val_docs(1, "b", val_fraction=0.1)
@@ -204,10 +204,10 @@ def test_prepare_is_atomic(corpus, tmp_path, monkeypatch):
     first = prepare([corpus[0]], out, seed=1, progress=False)
     monkeypatch.setattr(dataset_module, "_batched", failing)
     with pytest.raises(RuntimeError, match="disk full"):
-        prepare([corpus[0]], out, seed=2, progress=False)
+        prepare([corpus[0]], out, seed=2, progress=False, overwrite=True)
     assert load_meta(out) == first and [p.name for p in tmp_path.iterdir()] == ["ds"]  # the old dataset is intact
     monkeypatch.setattr(dataset_module, "_batched", batched)
-    assert prepare([corpus[0]], out, seed=2, progress=False)["seed"] == 2  # replaced when complete
+    assert prepare([corpus[0]], out, seed=2, progress=False, overwrite=True)["seed"] == 2  # replaced when complete
     assert [p.name for p in tmp_path.iterdir()] == ["ds"]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")

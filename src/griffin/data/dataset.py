@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,12 +28,13 @@ import numpy as np
 
 from griffin.data.sources import default_corpus_files, expand_inputs, iter_file_documents, split_pieces
 from griffin.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_file
+from griffin.io import OutputExistsError, create_temp
 
 FORMAT = "griffin-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 VAL_FRACTION = 0.02  # documents held out for validation, by default (prepare and train alike)
-PIECE_CHARS = 1 << 14  # a lone document is cut into pieces of about this many characters,
+PIECE_CHARS = 1 << 14  # fewer than MIN_PIECES documents are cut into pieces of about this many characters,
 MIN_PIECES, MIN_PIECE_CHARS = 50, 256  # or of fewer (not under 256) so that it gives at least 50 pieces
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -125,7 +125,8 @@ def _batched(docs: Iterable[str], max_docs: int = 512, max_chars: int = 1 << 22)
 
 
 def _check_out_dir(out_dir: Path) -> bool:
-    """Whether ``out_dir`` holds something (then it must be an earlier dataset, which ``prepare`` replaces)."""
+    """Whether ``out_dir`` holds something (then it must be an earlier dataset, which ``prepare`` replaces only
+    with ``overwrite``)."""
     if not out_dir.exists():
         return False
     if not out_dir.is_dir():
@@ -144,7 +145,7 @@ def _install(tmp: Path, out_dir: Path) -> None:
             out_dir.rmdir()
         os.replace(tmp, out_dir)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old = create_temp(out_dir.parent, f".{out_dir.name}.old-", directory=True)
     os.replace(out_dir, old / "data")
     try:
         os.replace(tmp, out_dir)
@@ -157,17 +158,20 @@ def _install(tmp: Path, out_dir: Path) -> None:
 
 def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer: str = "bytes", *,
             val_fraction: float = VAL_FRACTION, seed: int = 0, text_field: str = "text", shard_tokens: int = 1 << 27,
-            dtype: str | None = None, progress: bool = True, piece_chars: int | None = None) -> dict:
+            dtype: str | None = None, progress: bool = True, piece_chars: int | None = None,
+            overwrite: bool = False) -> dict:
     """Tokenize ``inputs`` (None: the default corpus, see ``default_corpus_files``) into a dataset in ``out_dir``
     and return its meta (also written to ``out_dir/meta.json``).
 
     Documents go to the val split by a permutation seeded with ``seed`` (``round(n * val_fraction)`` of them, at
     least one when ``val_fraction > 0`` and there are two or more, never all). ``piece_chars`` cuts every document
-    into pieces of about that many characters (:func:`griffin.data.sources.split_pieces`); by default only a single
-    document is cut (one text file: a book, nanoGPT's ``input.txt``), into pieces of ``PIECE_CHARS`` (smaller for a
-    short text, so that there are at least ``MIN_PIECES``), so that the validation split holds some and not half.
+    into pieces of about that many characters (:func:`griffin.data.sources.split_pieces`); by default the documents
+    are cut only when there are fewer than ``MIN_PIECES`` of them (a few text files: a book, nanoGPT's
+    ``input.txt``), into pieces of ``PIECE_CHARS`` (smaller for a short text, so that there are at least
+    ``MIN_PIECES``), so that the validation split holds a few pieces and not a whole file.
     The inputs are read twice (count, then tokenize), and the dataset is built in a temporary directory that
-    replaces ``out_dir`` only once complete."""
+    replaces ``out_dir`` only once complete. An earlier dataset in ``out_dir`` is replaced only with ``overwrite``
+    (else :class:`~griffin.io.OutputExistsError`); a non-empty directory that is not a dataset never is."""
     from tqdm import tqdm
 
     if not 0 <= val_fraction < 1:
@@ -177,7 +181,8 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     tok = load_tokenizer(tokenizer)
     dtype = _resolve_dtype(dtype, tok.vocab_size)
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
+    if _check_out_dir(out_dir) and not overwrite:
+        raise OutputExistsError(f"{out_dir} already holds a prepared dataset: pass --overwrite to replace it")
     default = inputs is None
     if isinstance(inputs, (str, Path)):
         inputs = [inputs]
@@ -191,7 +196,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     n_docs = n_chars = 0
     for text in documents():
         n_docs, n_chars = n_docs + 1, n_chars + len(text)
-    if piece_chars is None and n_docs == 1:  # pieces of PIECE_CHARS, or smaller so that a short text gives MIN_PIECES
+    if piece_chars is None and n_docs < MIN_PIECES:  # pieces of PIECE_CHARS, or smaller: MIN_PIECES in all
         piece_chars = max(MIN_PIECE_CHARS, min(PIECE_CHARS, n_chars // MIN_PIECES))
         n_docs = sum(1 for _ in documents())
     n_val = 0
@@ -203,7 +208,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     bos = np.asarray([tok.bos_id] if tok.bos_id is not None else [], np.int64)
     eos = np.asarray([tok.eos_id] if tok.eos_id is not None else [], np.int64)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = create_temp(out_dir.parent, f".{out_dir.name}.tmp-", directory=True)
     writers = {split: _SplitWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
     try:
         doc = 0

@@ -36,6 +36,9 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_file():
+            if path.name == "meta.json" and any(path.parent.glob("*-00000.bin")):
+                raise ValueError(f"{path} is the meta file of a dataset prepared by `griffin prepare`, not text: "
+                                 f"give its directory, {path.parent}")
             files.append(path)
         elif path.is_dir():
             found = []

@@ -8,7 +8,6 @@ SentencePiece model.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from griffin.data.sources import iter_documents, valid_utf8
+from griffin.io import atomic_write, check_new_output
 
 
 class Tokenizer(Protocol):
@@ -171,14 +171,15 @@ BPE_SPECIAL_TOKENS = ("<bos>", "<eos>")
 
 
 def train_bpe(files: Sequence[str | Path], out_path: str | Path, vocab_size: int = 8192, *,
-              text_field: str = "text") -> Path:
+              text_field: str = "text", overwrite: bool = False) -> Path:
     """Train a byte-level BPE tokenizer (HF ``tokenizers``) on local files and save it as ``tokenizer.json``.
 
     ``files`` are read with ``griffin.data.sources.iter_documents`` (text, JSONL, parquet; directories walked). The
     vocabulary holds ``<bos>`` (id 0), ``<eos>`` (id 1), the 256 bytes and the learnt merges, so any string
     round-trips (no normaliser, byte-level pre-tokenizer and decoder). ``out_path`` is the file to write, or a
     directory to write ``tokenizer.json`` into (a path without a ``.json`` suffix counts as a directory); the file
-    is written atomically. Returns its path."""
+    is written atomically, and an existing one is replaced only with ``overwrite`` (else
+    :class:`~griffin.io.OutputExistsError`, before any training). Returns its path."""
     from tokenizers import Tokenizer as _Tokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -188,17 +189,12 @@ def train_bpe(files: Sequence[str | Path], out_path: str | Path, vocab_size: int
     out_path = Path(out_path)
     if out_path.is_dir() or out_path.suffix != ".json":
         out_path = out_path / "tokenizer.json"
+    check_new_output(out_path, overwrite)
     tok = _Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator((valid_utf8(t) for t in iter_documents(files, text_field=text_field)), trainer)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    try:
-        tok.save(str(tmp))
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(out_path, lambda tmp: tok.save(tmp))
     return out_path

@@ -6,12 +6,12 @@ internet. Nothing is downloaded at evaluation time; a missing file is an error n
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from griffin.evaluation.phonebook import write_jsonl
+from griffin.io import atomic_write
 
 TEMPLATES = Path(__file__).with_name("tasks")
 # The paper's tasks (Table 2): name -> the harness' definition, relative to lm_eval/tasks.
@@ -27,7 +27,7 @@ PAPER = ["mmlu", "hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge"]
 PHONEBOOK_ENTRIES = (5, 10, 20, 40, 80, 160)
 PHONEBOOK_SAMPLES = 100
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
-EXPORT_HINT = ("export the task files on a machine with internet: `griffin eval export-tasks DIR --tasks {task}` "
+EXPORT_HINT = ("export the task files on a machine with internet: `griffin eval export-tasks --out DIR --tasks {task}` "
                "(pip install datasets), then pass --task-data DIR")
 
 
@@ -180,13 +180,7 @@ def export_tasks(out_dir: str | Path, tasks: list[str]) -> list[Path]:
                                        **{k: v for k, v in (cfg.get("dataset_kwargs") or {}).items()
                                           if k != "trust_remote_code"})
             path = Path(out_dir) / task / f"{split}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            try:
-                ds.to_json(str(tmp), lines=True, force_ascii=False)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            atomic_write(path, lambda tmp, ds=ds: ds.to_json(tmp, lines=True, force_ascii=False))
             written.append(path)
             print(f"{task}/{split}: {len(ds)} documents -> {path}")
     return written

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
+
+from griffin.io import atomic_write
 
 COLORS = {"mqa": "tab:blue", "hawk": "tab:orange", "griffin": "tab:green", "mqa-local": "tab:gray"}
 
@@ -20,11 +21,10 @@ def _figure(width: float = 6.4, height: float = 4.2):
 
 def _save(plt: Any, fig: Any, path: Path) -> None:
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _plain_log_ticks(ax: Any) -> None:

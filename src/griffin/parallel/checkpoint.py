@@ -156,7 +156,7 @@ def save_sharded(path: str | Path, model: CausalLM, optimizer: torch.optim.Optim
         write_json(tmp / TRAINER_STATE, trainer_state)
         write_json(tmp / LAYOUT, {"world_size": world, **(layout or {})})
         for name, source in (extra_files or {}).items():
-            shutil.copy2(source, tmp / name)
+            shutil.copyfile(source, tmp / name)  # the umask's mode, not the source's (copy2 would keep 0600)
         for p in sorted(tmp.iterdir()):
             if p.name not in files:
                 files[p.name] = _file_info(p)

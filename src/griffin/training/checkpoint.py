@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from griffin.interop import CheckpointError, save_pretrained
-from griffin.io import fsync_path, sha256_file
+from griffin.io import fsync_path, sha256_file, write_safetensors
 from griffin.model import CausalLM
 
 MANIFEST = "manifest.json"
@@ -93,11 +93,11 @@ def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: tor
     try:
         save_pretrained(model, tmp)
         tensors, groups = _optimizer_tensors(optimizer)
-        save_file({**tensors, **_rng_tensors()}, str(tmp / OPTIMIZER_STATE), metadata={"library": "griffin"})
+        write_safetensors(tmp / OPTIMIZER_STATE, {**tensors, **_rng_tensors()}, {"library": "griffin"})
         state = {**trainer_state, "step": step, "optimizer_param_groups": groups}
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1) + "\n")
         for name, source in (extra_files or {}).items():
-            shutil.copy2(source, tmp / name)
+            shutil.copyfile(source, tmp / name)  # the umask's mode, not the source's (copy2 would keep 0600)
         files = {}
         for path in sorted(tmp.iterdir()):
             fsync_path(path)
