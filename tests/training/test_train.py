@@ -92,7 +92,7 @@ def _as_trained_by_the_cli(path: Path, monkeypatch, *flags: str) -> TrainConfig:
 
     seen = []
 
-    def fake_train(cfg):
+    def fake_train(cfg, stop=None):
         seen.append(cfg)
         return TrainResult(0, math.nan, math.nan, math.nan, 0.0, Path(cfg.out), Path(cfg.out))
 

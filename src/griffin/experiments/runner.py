@@ -50,7 +50,7 @@ class Run:
 
     def config(self, out: Path, data: str) -> TrainConfig:
         """The run's full training configuration, trained into ``out/runs/NAME`` on the grid's prepared ``data``."""
-        fixed = {"out": str(out / "runs" / self.name), "data": data, "resume": "auto", "progress": False,
+        fixed = {"out": str(out / "runs" / self.name), "data": data, "resume": "if-any", "progress": False,
                  "sample_tokens": 0}
         return TrainConfig.from_dict({**self.settings, **fixed}, source=f"run {self.name}")
 

@@ -6,7 +6,9 @@ flags. Unknown keys and values of the wrong type are refused before anything run
 Resuming (``griffin train --out OUT --resume``) starts from the run's saved configuration instead of the defaults:
 settings given again that define the run (:data:`RUN_KEYS`) must agree with it, the others (more steps, other
 logging intervals) may change, and the machine's (:data:`MACHINE_KEYS`: device, threads, layout) come from this
-run's own flags; see :meth:`TrainConfig.resuming`.
+run's own flags; see :meth:`TrainConfig.resuming`. ``griffin train --resume`` needs a checkpoint in OUT (a mistyped
+``--out`` is refused, not trained from scratch); ``--resume if-any`` (``resume = "if-any"``) starts a new run when
+there is none. The library's :func:`~griffin.training.train` starts a new run for either.
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ class TrainConfig:
     ckpt_interval: int = _opt(100, "write a checkpoint every N steps (and at the end)")
     keep_last: int = _opt(2, "checkpoints kept besides the best one")
     out: str = _opt("runs/griffin-cpu", "output directory: checkpoints, logs, TensorBoard events, plots")
-    resume: str = _opt("", "'auto': continue from the newest valid checkpoint in OUT; or a checkpoint directory")
+    resume: str = _opt("", "'auto': continue from the newest valid checkpoint in OUT, which must hold one; "
+                           "'if-any': the same, or start a new run if OUT holds no checkpoint yet (a requeued cluster "
+                           "job that always runs the same command); or a checkpoint directory")
     seed: int = _opt(0, "seed of the initialisation, the data order and the sample")
     on_nan: str = _opt("stop", "on a non-finite loss or gradient: 'stop' (raise) or 'skip' the update",
                        choices=("stop", "skip"))

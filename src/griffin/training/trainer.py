@@ -3,6 +3,10 @@
 ``train(TrainConfig(...))`` prepares the data if needed, builds the model, trains, evaluates on held-out data,
 writes checkpoints that resume exactly (see :mod:`griffin.training.checkpoint`), logs JSON lines and TensorBoard
 events, plots the loss curves and prints a sample. ``griffin train`` is its command line.
+
+A run stops early on request (``train(cfg, stop=...)``: a :class:`StopRequest`, a ``threading.Event`` or a callable;
+``griffin train`` sets one on SIGTERM): at the next step boundary it writes the checkpoint of that step and raises
+:class:`TrainingStopped`; ``resume="auto"`` then continues exactly as a run that never stopped.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,7 @@ from torch import Tensor
 
 from griffin.inference import generate
 from griffin.interop import CheckpointError
+from griffin.io import atomic_write
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.training.checkpoint import (
@@ -43,12 +50,64 @@ class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss, for instance); the last checkpoint on disk is intact."""
 
 
+class TrainingStopped(Exception):
+    """Training stopped on request (:class:`StopRequest`; SIGTERM in ``griffin train``) at a step boundary, once
+    the checkpoint of that step was on disk: ``checkpoint`` (None: stopped before the first step of a new run, with
+    nothing to save). Resuming (``resume="auto"``) continues as if the run had not stopped."""
+
+    def __init__(self, reason: str, step: int, checkpoint: Path | None, out: Path) -> None:
+        self.reason, self.step, self.checkpoint, self.out = reason, step, checkpoint, out
+        saved = f"checkpoint: {checkpoint}" if checkpoint is not None else "no checkpoint written yet"
+        super().__init__(f"training stopped by {reason} after step {step}; {saved}")
+
+
+class StopRequest:
+    """A request to stop training at the next step boundary (``train(cfg, stop=request)``), set by :meth:`set`
+    (from any thread) or by a signal (:meth:`on_signal`). Under torchrun every rank passes one (or none): one rank's
+    request stops them all at the same step."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    def set(self, reason: str = "a stop request") -> None:
+        """Ask for the stop; ``reason`` is what :class:`TrainingStopped` says stopped the run (the first one kept)."""
+        if self.reason is None:
+            self.reason = reason
+
+    def is_set(self) -> bool:
+        return self.reason is not None
+
+    @classmethod
+    @contextlib.contextmanager
+    def on_signal(cls, signum: int = signal.SIGTERM) -> Iterator[StopRequest]:
+        """A request that the signal ``signum`` sets (reason: its name, e.g. ``"SIGTERM"``) while the ``with`` block
+        runs; the default handler is back afterwards. Installed only from the main thread over the default handler
+        (a host program's own handler, or an ignored signal, is left alone: the request is then set only by
+        :meth:`set`). Repeated signals change nothing (a launcher may forward the same one twice); SIGKILL ends the
+        process at once."""
+        request = cls()
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) != signal.SIG_DFL:
+            yield request
+            return
+        name = signal.Signals(signum).name
+        signal.signal(signum, lambda received, frame: request.set(name))
+        try:
+            yield request
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+#: ``resume`` values that take the newest intact checkpoint in OUT/checkpoints.
+RESUME_NEWEST = ("auto", "if-any")
+
+
 def resume_checkpoint(out: str | Path, resume: str) -> Path | None:
-    """The checkpoint a run in ``out`` resumes from: ``resume`` itself if it is a path; for ``"auto"`` the newest
-    intact one in ``out/checkpoints`` (None if there is none yet: the run starts); None if ``resume`` is empty."""
+    """The checkpoint a run in ``out`` resumes from: ``resume`` itself if it is a path; for ``"auto"`` and
+    ``"if-any"`` the newest intact one in ``out/checkpoints`` (None if there is none yet: the run starts here;
+    ``griffin train --resume`` refuses that for ``"auto"``); None if ``resume`` is empty."""
     if not resume:
         return None
-    if resume != "auto":
+    if resume not in RESUME_NEWEST:
         return Path(resume)
     root = Path(out) / "checkpoints"
     path = find_resumable(root)
@@ -137,6 +196,8 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
 
     if cfg.data and (Path(cfg.data) / "meta.json").is_file():
         return Path(cfg.data)
+    if cfg.data and Path(cfg.data).name == "meta.json" and Path(cfg.data).is_file():
+        return Path(cfg.data).parent  # a prepared dataset named by its meta file, not a JSON-lines file
     sources = [str(Path(p).resolve()) for p in cfg.data.split(",")] if cfg.data else None
     for source in sources or []:
         if not Path(source).exists():
@@ -149,7 +210,8 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
         if (meta["sources"], meta["tokenizer"], meta["val_fraction"], meta["seed"]) == \
                 (wanted, tokenizer, cfg.val_fraction, cfg.seed):
             return target
-    prepare(sources, target, cfg.tokenizer, val_fraction=cfg.val_fraction, seed=cfg.seed, progress=cfg.progress)
+    prepare(sources, target, cfg.tokenizer, val_fraction=cfg.val_fraction, seed=cfg.seed, progress=cfg.progress,
+            overwrite=True)  # OUT/data is the run's own: prepared again when its settings changed
     return target
 
 
@@ -163,9 +225,7 @@ class JsonLog:
         elif path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            atomic_write(path, lambda tmp: Path(tmp).write_text("".join(line + "\n" for line in kept)))
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
@@ -438,8 +498,11 @@ class Trainer:
         return total / max(count, 1.0)
 
     # Checkpoints ---------------------------------------------------------------------------------------------
-    def save(self, val_loss: float) -> Path:
-        if val_loss < self.best_val:
+    def save(self, val_loss: float | None, track_best: bool = True) -> Path:
+        """Write the checkpoint of this step; ``val_loss``: this step's validation loss (None: not evaluated here).
+        ``track_best=False`` (a checkpoint written on a stop request) leaves the best checkpoint as it was, as a run
+        that did not stop has it."""
+        if track_best and val_loss is not None and val_loss < self.best_val:
             self.best_val, self.best_step = val_loss, self.step
         state = {"tokens": self.tokens, "val_loss": val_loss, "best_val_loss": self.best_val,
                  "best_step": self.best_step, "loader": self.loader.state_dict(), "config": self.cfg.to_dict(),
@@ -457,10 +520,10 @@ class Trainer:
                 save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra)
             else:
                 set_link(self.ckpt_root, "latest", path)
-            best = step_dir(self.ckpt_root, self.best_step)
-            if best.is_dir():
+            best = step_dir(self.ckpt_root, self.best_step) if self.best_step is not None else None
+            if best is not None and best.is_dir():
                 set_link(self.ckpt_root, "best", best)
-            prune(self.ckpt_root, self.cfg.keep_last, keep=(best,) if best.is_dir() else ())
+            prune(self.ckpt_root, self.cfg.keep_last, keep=(best,) if best is not None and best.is_dir() else ())
         self.dist.barrier()
         return path
 
@@ -482,8 +545,37 @@ class Trainer:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"{kind}/{key}", value, self.step)
 
-    def run(self) -> TrainResult:
+    def _stop_reason(self, stop: Any, asked: Callable[[], bool] | None) -> str | None:
+        """Why to stop now (None: go on): ``asked()``, agreed over the ranks by a MAX all-reduce, so that one rank's
+        request stops them all at the same step."""
+        if asked is None:
+            return None
+        here = bool(asked())
+        agreed = here
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            flag = torch.tensor(int(here), device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            agreed = bool(flag.item())
+        if not agreed:
+            return None
+        return (getattr(stop, "reason", None) or "a stop request") if here else "a stop request on another rank"
+
+    def _stopped(self, reason: str, checkpoint: Path | None) -> TrainingStopped:
+        self._record("stop", reason=reason, checkpoint=str(checkpoint) if checkpoint is not None else None)
+        return TrainingStopped(reason, self.step, checkpoint, self.out)
+
+    def run(self, stop: StopRequest | threading.Event | Callable[[], bool] | None = None) -> TrainResult:
+        """Train to ``max_steps``. ``stop`` (a :class:`StopRequest`, a ``threading.Event`` or a callable returning
+        True once the run should stop; every rank passes one or none) is looked at before the first step and after
+        each optimizer step: once set, the checkpoint of that step is written (unless it already is: a periodic
+        one, the one resumed from) without another evaluation, the best checkpoint left as it was, and
+        :class:`TrainingStopped` is raised. A run at ``max_steps`` finishes as usual."""
         cfg = self.cfg
+        if stop is not None and not callable(stop) and not callable(getattr(stop, "is_set", None)):
+            raise TypeError(f"stop must be a StopRequest, a threading.Event or a callable, got {type(stop).__name__}")
+        asked = stop.is_set if stop is not None and hasattr(stop, "is_set") else stop
         n_params = self.model.num_parameters()
         self._print(f"griffin train: {self.model_config.family} {n_params:,} parameters "
                     f"({self.model_config.depth} blocks, width {self.model_config.width}) on {self.device}"
@@ -505,6 +597,8 @@ class Trainer:
         bar = _progress(cfg, self.step) if self.dist.is_main else None
         self._bar = bar
         try:
+            if self.step < cfg.max_steps and (reason := self._stop_reason(stop, asked)):  # before the first step
+                raise self._stopped(reason, self.resumed_from)
             if self.step == 0:  # the starting point of the validation curve
                 val_loss = self.evaluate()
                 self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics)
@@ -535,6 +629,11 @@ class Trainer:
                 if is_ckpt:
                     last_ckpt = self.save(val_loss)
                     window_start, window_tokens = time.perf_counter(), self.tokens
+                if self.step < cfg.max_steps and (reason := self._stop_reason(stop, asked)):
+                    if not is_ckpt:  # as a periodic checkpoint, but neither evaluated nor a candidate for `best`
+                        evaluated = self.step % cfg.eval_interval == 0
+                        last_ckpt = self.save(val_loss if evaluated else None, track_best=False)
+                    raise self._stopped(reason, last_ckpt)
         finally:
             if bar is not None:
                 bar.close()
@@ -603,13 +702,14 @@ def plot_losses(history: list[dict[str, Any]], unigram: float, path: Path) -> No
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Run (or resume) the training run described by ``cfg``."""
-    return Trainer(cfg).run()
+def train(cfg: TrainConfig, stop: StopRequest | threading.Event | Callable[[], bool] | None = None) -> TrainResult:
+    """Run (or resume) the training run described by ``cfg``; ``stop``: ends it early with a checkpoint, raising
+    :class:`TrainingStopped` (see :meth:`Trainer.run`)."""
+    return Trainer(cfg).run(stop)
 
