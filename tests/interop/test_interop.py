@@ -1,6 +1,7 @@
 """Exactness against HF transformers' RecurrentGemma and the official recurrentgemma package."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -8,7 +9,10 @@ import torch
 import transformers
 
 from griffin import CausalLM, ModelConfig, load_pretrained, save_pretrained
+from griffin.cli import main
 from griffin.interop import CheckpointError, export_hf, to_official_state
+from griffin.interop.hf import hf_problems
+from griffin.training.config import parse_model_override
 from tests.conftest import import_official_torch, perturb_, seed_torch
 
 WINDOW = 8
@@ -60,6 +64,37 @@ def test_hf_export_round_trip(gen, tmp_path):
     assert (hf_again(ids, use_cache=False).logits - reference).abs().max() <= 1e-4
 
 
+# The small presets of the CPU demo and the tests do not use RecurrentGemma's settings (gate blocks = heads, embedding
+# scaled by sqrt(D), logits soft-capped: they cost the CPU demo 4% of validation loss); the refusal to convert one
+# names the `griffin train` settings that make it convert, and a model with them converts with the same logits.
+# MQA's global attention has no HF counterpart.
+HF_PRESETS = ["griffin-tiny", "griffin-cpu", "hawk-tiny", "hawk-cpu"]
+
+
+@pytest.mark.parametrize("preset", HF_PRESETS)
+@torch.no_grad()
+def test_small_presets_convert_to_hf_with_the_settings_the_refusal_names(gen, tmp_path, capsys, preset):
+    save_pretrained(CausalLM(ModelConfig.from_preset(preset)), tmp_path / "plain")
+    assert main(["convert", str(tmp_path / "plain"), str(tmp_path / "refused"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be expressed as HF RecurrentGemma" in err and not (tmp_path / "refused" / "config.json").exists()
+    command = re.search(r"`griffin train (.*?)`", err)[1].split()
+    assert command[:2] == ["--preset", preset] and set(command[2::2]) == {"--model"}
+    cfg = ModelConfig.from_preset(preset, **dict(parse_model_override(kv) for kv in command[3::2]))
+    assert hf_problems(cfg) == []
+    seed_torch(gen)
+    ours = CausalLM(cfg).eval()
+    perturb_(ours, gen)
+    save_pretrained(ours, tmp_path / "g")
+    with pytest.warns(UserWarning, match="Conv1D"):  # packed documents only: one document per row here
+        assert main(["convert", str(tmp_path / "g"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    hf = transformers.RecurrentGemmaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.attention_window + 20), generator=gen)  # across the window
+    torch.testing.assert_close(hf(ids, use_cache=False).logits, ours(ids), rtol=0, atol=1e-5)
+    back = load_pretrained(tmp_path / "hf")
+    torch.testing.assert_close(back(ids), ours(ids), rtol=0, atol=1e-5)
+
+
 @torch.no_grad()
 def test_griffin_model_exports_to_hf(gen, tmp_path):
     cfg = ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2,
@@ -74,13 +109,45 @@ def test_griffin_model_exports_to_hf(gen, tmp_path):
 
 
 def test_export_refuses_what_hf_cannot_express(tmp_path):
-    with pytest.raises(CheckpointError, match="global attention"):
-        export_hf(CausalLM(ModelConfig.from_preset("mqa-tiny")), tmp_path)
+    for preset in ("mqa-tiny", "mqa-cpu"):
+        with pytest.raises(CheckpointError, match="global attention") as err:
+            export_hf(CausalLM(ModelConfig.from_preset(preset)), tmp_path)
+        assert "griffin train" not in str(err.value)  # no setting makes global attention local
+        assert "gate_blocks" not in str(err.value)  # MQA has no RG-LRU
     model = CausalLM(ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         export_hf(model, tmp_path)
     assert any("Conv1D" in str(w.message) for w in caught)
+    # The refusal names every problem and the settings to train with instead (the preset's, if it is one).
+    plain = ModelConfig.from_preset("griffin-cpu", rg_lru_c=4.0)
+    with pytest.raises(CheckpointError) as err:
+        export_hf(CausalLM(plain), tmp_path)
+    message = str(err.value)
+    for problem in ("gate_blocks=4 != num_heads=2", "embed_scale=False", "no logits_soft_cap", "rg_lru_c=4.0"):
+        assert problem in message
+    assert ("`griffin train --preset griffin-cpu --model gate_blocks=2 --model embed_scale=true --model "
+            "logits_soft_cap=30.0 --model rg_lru_c=8.0`") in message
+    assert hf_problems(plain.replace(gate_blocks=2, embed_scale=True, logits_soft_cap=30.0, rg_lru_c=8.0)) == []
+    assert "--preset" not in str(pytest.raises(CheckpointError, export_hf, CausalLM(plain.replace(name="")),
+                                               tmp_path).value)
+    # Hawk has no attention: HF's heads only set its gate blocks, so any gate blocks dividing the width do.
+    hawk = ModelConfig.from_preset("hawk-cpu", embed_scale=True, logits_soft_cap=30.0)
+    assert hawk.gate_blocks != hawk.num_heads and hf_problems(hawk) == []
+    assert hf_problems(hawk.replace(rnn_width=120, gate_blocks=3)) == ["width=128 is not divisible by gate_blocks=3 "
+                                                                       "(HF's head count, which sets its gate blocks)"]
+    # HF truncates the rotated fraction of a head where griffin rounds.
+    odd = ModelConfig.from_preset("griffin-tiny", embed_scale=True, logits_soft_cap=30.0, gate_blocks=2, width=28,
+                                  head_dim=14, rope_fraction=0.25)
+    assert hf_problems(odd) == ["rope_fraction=0.25 of head_dim=14 (HF would rotate 3 dims, griffin 4)"]
+
+
+@pytest.mark.parametrize("to", ["hf", "griffin"])
+def test_lossy_is_refused_where_it_does_nothing(tmp_path, capsys, to):
+    save_pretrained(CausalLM(ModelConfig.from_preset("griffin-tiny")), tmp_path / "g")
+    assert main(["convert", str(tmp_path / "g"), str(tmp_path / "out"), "--to", to, "--lossy"]) == 2
+    assert "--lossy applies to --to official only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_hf_missing_and_unexpected_tensors_are_named(gen, tmp_path):

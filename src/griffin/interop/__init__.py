@@ -31,7 +31,7 @@ from griffin.interop.native import (
     save_pretrained,
 )
 from griffin.interop.official import load_official, official_config_from_state, save_official, to_official_state
-from griffin.io import read_json
+from griffin.io import check_new_output, read_json
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of, quantize_int8
 
@@ -82,14 +82,16 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, **
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 0,
-                        dtype: torch.dtype | str | None = None, gates: bool = True) -> CausalLM:
+                        dtype: torch.dtype | str | None = None, gates: bool = True, *,
+                        overwrite: bool = False) -> CausalLM:
     """Load a checkpoint (any format), quantise its weights to int8 (:func:`griffin.quantize.quantize_int8`; ``gates``:
     the RG-LRU's gates too) and write it to ``dst`` in griffin's format: int8 matrices and their float32 scales in
     ``model.safetensors``, loadable by :func:`load_pretrained` without quantising again. Returns the quantised
-    model."""
+    model. An existing, non-empty ``dst`` is refused (:class:`~griffin.io.OutputExistsError`) unless ``overwrite``."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise ValueError(f"the quantised checkpoint would overwrite its source {src}: give another directory")
+    check_new_output(dst, overwrite)
     model = load_pretrained(src, dtype=dtype)
     done = quantization_of(model)
     if done is not None:

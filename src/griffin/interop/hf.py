@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from griffin.config import ModelConfig
+from griffin.config import PRESETS, ModelConfig
 from griffin.interop.native import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, build_model
-from griffin.io import read_json, read_safetensors, write_json, write_safetensors
+from griffin.io import check_new_output, read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
 
@@ -121,30 +121,88 @@ def load_hf(directory: Path, dtype: torch.dtype | None) -> CausalLM:
     return build_model(config, state, str(directory), dtype)
 
 
-def export_hf(model: CausalLM, directory: str | Path) -> None:
-    """Write ``model`` as a HuggingFace RecurrentGemma directory (config.json + model.safetensors)."""
-    c = model.config
-    problems = []
-    if quantization_of(model) is not None:
-        problems.append("int8 weights (export the float checkpoint it was quantised from)")
-    if "attention" in c.block_types:
-        problems.append("global attention blocks (HF RecurrentGemma only has local attention)")
-    if c.head_dim * c.num_heads != c.width:
-        problems.append(f"head_dim={c.head_dim} * num_heads={c.num_heads} != width={c.width}")
-    if c.gate_blocks != c.num_heads:
-        problems.append(f"gate_blocks={c.gate_blocks} != num_heads={c.num_heads}")
+def hf_problems(config: ModelConfig) -> list[str]:
+    """What HF ``transformers``' RecurrentGemmaForCausalLM cannot express of ``config`` (empty if it can): it has local
+    attention only, ties the RG-LRU's gate blocks to the attention heads and head_dim to width / heads (a model
+    without attention, Hawk, is written with as many heads as gate blocks: it has no other use for them), always
+    scales the embedding by sqrt(width) (rounded to bfloat16) and soft-caps the logits, and fixes the RG-LRU constant
+    c at 8."""
+    c = config
+    if _has_attention(c):
+        heads = [
+            (c.head_dim * c.num_heads == c.width,
+             f"head_dim={c.head_dim} * num_heads={c.num_heads} != width={c.width}"),
+            (c.gate_blocks == c.num_heads or "recurrent" not in c.block_types,
+             f"gate_blocks={c.gate_blocks} != num_heads={c.num_heads}"),
+            (int(c.head_dim * c.rope_fraction) == c.rope_dim,  # HF truncates where griffin rounds
+             f"rope_fraction={c.rope_fraction} of head_dim={c.head_dim} (HF would rotate "
+             f"{int(c.head_dim * c.rope_fraction)} dims, griffin {c.rope_dim})"),
+        ]
+    else:
+        heads = [(c.width % c.gate_blocks == 0, f"width={c.width} is not divisible by gate_blocks={c.gate_blocks} "
+                  "(HF's head count, which sets its gate blocks)")]
+    checks = [
+        ("attention" not in c.block_types, "global attention blocks (HF RecurrentGemma only has local attention)"),
+        *heads,
+        (c.embed_scale, "embed_scale=False (HF always scales embeddings by sqrt(width))"),
+        (bool(c.logits_soft_cap), "no logits_soft_cap (HF always soft-caps logits)"),
+        (c.rg_lru_c == 8.0, f"rg_lru_c={c.rg_lru_c} (HF fixes it at 8)"),
+        (c.tie_embeddings, "untied embeddings"),
+        (not c.complex_lru, "the complex CG-LRU"),
+        (c.attention_document_mask, "attention_document_mask=False"),
+    ]
+    return [problem for ok, problem in checks if not ok]
+
+
+def hf_overrides(config: ModelConfig) -> dict[str, Any]:
+    """The ModelConfig changes that make ``config`` expressible in HF (RecurrentGemma's settings, :func:`hf_problems`),
+    as ``--model KEY=VALUE`` settings of ``griffin train``; empty if it is already, or if no setting can (global
+    attention, the CG-LRU, untied embeddings have no HF counterpart)."""
+    c = config
+    if "attention" in c.block_types or c.complex_lru or not c.tie_embeddings or not c.attention_document_mask:
+        return {}
+    changes: dict[str, Any] = {}
+    if _has_attention(c):
+        if c.width % c.num_heads or ("recurrent" in c.block_types and c.lru_width % c.num_heads):
+            return {}
+        if c.head_dim * c.num_heads != c.width:
+            changes["head_dim"] = c.width // c.num_heads
+        if c.gate_blocks != c.num_heads and "recurrent" in c.block_types:
+            changes["gate_blocks"] = c.num_heads
+    elif c.width % c.gate_blocks:
+        return {}
     if not c.embed_scale:
-        problems.append("embed_scale=False (HF always scales embeddings by sqrt(width))")
+        changes["embed_scale"] = True
     if not c.logits_soft_cap:
-        problems.append("no logits_soft_cap (HF always soft-caps logits)")
-    if not c.tie_embeddings:
-        problems.append("untied embeddings")
-    if c.complex_lru:
-        problems.append("the complex CG-LRU")
-    if not c.attention_document_mask:
-        problems.append("attention_document_mask=False")
+        changes["logits_soft_cap"] = 30.0
+    if c.rg_lru_c != 8.0:
+        changes["rg_lru_c"] = 8.0
+    return changes
+
+
+def _has_attention(config: ModelConfig) -> bool:
+    return any(kind != "recurrent" for kind in config.block_types)
+
+
+def export_hf(model: CausalLM, directory: str | Path, *, overwrite: bool = True) -> None:
+    """Write ``model`` as a HuggingFace RecurrentGemma directory (config.json + model.safetensors); a model HF cannot
+    express (:func:`hf_problems`) is refused, naming what to train instead, and with ``overwrite=False`` so is a
+    non-empty ``directory`` (:class:`~griffin.io.OutputExistsError`)."""
+    check_new_output(directory, overwrite)
+    c = model.config
+    problems = hf_problems(c)
+    if quantization_of(model) is not None:
+        problems.insert(0, "int8 weights (export the float checkpoint it was quantised from)")
     if problems:
-        raise CheckpointError("this model cannot be expressed as HF RecurrentGemma: " + "; ".join(problems))
+        fix = hf_overrides(c)
+        hint = ""
+        if fix:
+            flags = " ".join(f"--model {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fix.items())
+            preset = f"--preset {c.name} " if c.name in PRESETS else ""
+            hint = (f". To get a model that converts, train it with RecurrentGemma's settings: `griffin train "
+                    f"{preset}{flags}` (with the run's other options); trained weights cannot be converted after the "
+                    "fact, as these settings change the function the model computes")
+        raise CheckpointError("this model cannot be expressed as HF RecurrentGemma: " + "; ".join(problems) + hint)
     if c.conv1d_document_reset:
         warnings.warn("HF RecurrentGemma does not reset the Conv1D at document starts: logits on packed "
                       "documents will differ from griffin's (single documents are unaffected)", stacklevel=2)
@@ -156,8 +214,9 @@ def export_hf(model: CausalLM, directory: str | Path) -> None:
         "hidden_size": c.width,
         "intermediate_size": 2 * c.mlp_width,
         "num_hidden_layers": c.depth,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
+        # Without attention, the heads only set the RG-LRU's gate blocks in HF.
+        "num_attention_heads": c.num_heads if _has_attention(c) else c.gate_blocks,
+        "num_key_value_heads": c.num_kv_heads if _has_attention(c) else 1,
         "lru_width": c.rnn_width,
         "attention_window_size": c.attention_window,
         "conv1d_width": c.conv1d_width,

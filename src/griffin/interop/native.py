@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from griffin.config import ModelConfig
-from griffin.io import read_json, read_safetensors, write_json, write_safetensors
+from griffin.io import check_new_output, read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
 from griffin.quantize import (
     float32_scales_,
@@ -84,9 +84,12 @@ def build_model(config: ModelConfig, state: dict[str, Tensor], source: str, dtyp
     return model.eval()
 
 
-def save_pretrained(model: CausalLM, directory: str | Path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (each atomically) into ``directory``."""
+def save_pretrained(model: CausalLM, directory: str | Path, *, overwrite: bool = True) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (each atomically) into ``directory``; with
+    ``overwrite=False`` (``griffin convert`` without ``--overwrite``) a non-empty ``directory`` is refused
+    (:class:`~griffin.io.OutputExistsError`)."""
     directory = Path(directory)
+    check_new_output(directory, overwrite)
     state = dict(model.state_dict())
     metadata = {"format": "pt", "library": "griffin"}
     quantized = quantization_of(model)

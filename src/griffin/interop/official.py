@@ -20,7 +20,7 @@ from torch import Tensor
 
 from griffin.config import ModelConfig
 from griffin.interop.native import CheckpointError, build_model
-from griffin.io import atomic_write, read_json, write_json
+from griffin.io import atomic_write, check_new_output, read_json, write_json
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
 
@@ -138,10 +138,13 @@ def sidecar_path(path: Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
-def save_official(model: CausalLM, path: str | Path, lossy: bool = False) -> None:
+def save_official(model: CausalLM, path: str | Path, lossy: bool = False, *, overwrite: bool = True) -> None:
     """Write the official ``recurrentgemma.torch.Griffin`` state dict of ``model`` and, beside it, the official
     ``GriffinConfig`` fields (both atomically). A model the official one cannot express is refused, unless
-    ``lossy`` (then with a warning: the file holds a different model)."""
+    ``lossy`` (then with a warning: the file holds a different model); with ``overwrite=False`` so is an existing
+    file or sidecar (:class:`~griffin.io.OutputExistsError`)."""
+    for output in (Path(path), sidecar_path(Path(path))):
+        check_new_output(output, overwrite)
     problems = official_problems(model.config)
     if problems and not lossy:
         raise CheckpointError("this model cannot be expressed as an official recurrentgemma model: "
