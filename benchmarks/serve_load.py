@@ -10,7 +10,7 @@ without the prefix-state cache.
    standard library's source, and 16-128 output tokens (uniform), greedy, no stop: every request produces exactly its
    number of tokens. Concurrency level c runs the pool's first ``max(16, 2c)`` requests (at most ``--requests``) with
    c clients, each sending its next request when the last one ends (closed loop).
-3. **griffin serve** (``griffin serve CKPT --max-batch 64``, a subprocess): each request streamed through a small
+3. **griffin serve** (``griffin serve CKPT --max-batch-size 64``, a subprocess): each request streamed through a small
    asyncio HTTP client (server-sent events), timed when it is sent, at its first text and at its end.
 4. **HF, one request at a time**: each request of a subset through HF's own ``generate`` with a streamer that stamps
    every token. A server that runs one request at a time serves the c clients first come, first served: their latency
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-max", type=int, default=512)
     p.add_argument("--out-min", type=int, default=16)
     p.add_argument("--out-max", type=int, default=128)
-    p.add_argument("--max-batch", type=int, default=64, help="griffin serve --max-batch")
+    p.add_argument("--max-batch", type=int, default=64, help="griffin serve --max-batch-size")
     p.add_argument("--chat-system", type=int, default=1500, help="bytes of the chat's system prompt")
     p.add_argument("--chat-turns", type=int, default=10)
     p.add_argument("--chat-turn-bytes", type=int, default=300)
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{agreement:.0%}")
 
         # griffin serve: every concurrency level, then the chat with the prefix cache
-        server = ServerProcess(ckpt, "--max-batch", str(args.max_batch), threads=args.threads)
+        server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), threads=args.threads)
         serve_runs = {}
         try:
             asyncio.run(closed_loop(server.port, pool[:4], 4))  # warm-up
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             results.chat["cache"] = asyncio.run(chat_session(server.port, system, turns, args.chat_max_tokens))
         finally:
             server.close()
-        server = ServerProcess(ckpt, "--max-batch", str(args.max_batch), "--prefix-cache-mb", "0",
+        server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), "--prefix-cache-mb", "0",
                                threads=args.threads)
         try:
             asyncio.run(chat_session(server.port, text[:64], turns[:1], 2))  # warm-up

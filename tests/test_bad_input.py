@@ -146,7 +146,7 @@ def files(model, tmp_path):
     (["convert", "{d}/m", "{d}/out", "--to", "official", "--window", "0"], "--window 0 must be a positive"),
     (["generate", "{d}/m", "--tokenizer", "{d}/garbage.json", "--prompt", "x"], "garbage.json is not a tokenizer"),
     (["generate", "{d}/missing", "--prompt", "x"], "{d}/missing"),
-    (["generate", "{d}/m", "--tokenizer", "bytes"], "give a prompt with --prompt"),
+    (["generate", "{d}/m", "--tokenizer", "bytes"], "give a prompt: --prompt TEXT, --prompt-file FILE"),
     (["prepare", "{d}/file", "--out", "{d}/file"], "{d}/file exists and is not a directory"),
     (["prepare", "{d}/missing", "--out", "{d}/data"], "{d}/missing"),
     (["info", "griffin-tny"], "did you mean griffin-tiny"),

@@ -75,8 +75,14 @@ def test_generate_command(tmp_path, gen, capsys):
     assert main([*base, "--prompt", "lo", "--load-state", str(tmp_path / "s")]) == 0
     assert capsys.readouterr().out == "lo" + expected + "\n"
     (tmp_path / "prompts.txt").write_text("ab\ncd\n")
-    assert main([*base, "--prompt-file", str(tmp_path / "prompts.txt")]) == 0
+    assert main([*base, "--prompt-lines", str(tmp_path / "prompts.txt")]) == 0
     assert capsys.readouterr().out.count("-" * 40) == 2
+    # --prompt-file: the whole file is one prompt, so a book of many lines can be saved as one state
+    assert main([*base, "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "0",
+                 "--save-state", str(tmp_path / "book")]) == 0
+    assert "saved the state after 6 tokens" in capsys.readouterr().err  # BOS-less bytes: "ab\ncd\n"
+    assert main([*base, "--prompt-file", str(tmp_path)]) == 2
+    assert f"--prompt-file {tmp_path} is a directory" in capsys.readouterr().err
     assert main([*base, "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p=0.0" in capsys.readouterr().err
     assert main([*base, "--prompt", "a", "--prompt", "b", "--save-state", str(tmp_path / "s2")]) == 2
@@ -101,16 +107,63 @@ def test_tokenizer_and_prepare_commands(tmp_path, capsys):
     for i in range(6):
         (corpus / f"{i}.txt").write_text(f"document {i}: " + "griffin hawk local attention " * (20 + i))
     (corpus / "more.jsonl").write_text('{"text": "a record"}\n{"text": "another record"}\n')
-    assert main(["tokenizer", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "tok.json")]) == 0
-    assert "tok.json" in capsys.readouterr().out
-    assert main(["prepare", str(corpus), "--tokenizer", str(tmp_path / "tok.json"), "--out", str(tmp_path / "data"),
+    assert main(["tokenizer", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "tok")]) == 0
+    assert str(tmp_path / "tok" / "tokenizer.json") in capsys.readouterr().out
+    assert main(["prepare", str(corpus), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "data"),
                  "--val-fraction", "0.2"]) == 0
     out = capsys.readouterr().out
-    assert "train:" in out and "val:" in out and "8 documents" not in out  # split 6 + 2 documents
-    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
-    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 8
+    assert "train:" in out and "val:" in out
+    # 8 documents, fewer than 50: cut into pieces, so that the held-out fifth is of pieces, not of whole files
+    splits = json.loads((tmp_path / "data" / "meta.json").read_text())["splits"]
+    pieces = splits["train"]["documents"] + splits["val"]["documents"]
+    assert pieces > 8 and splits["val"]["documents"] == round(pieces * 0.2)
+    assert main(["prepare", str(tmp_path / "data" / "meta.json"), "--out", str(tmp_path / "d3")]) == 2
+    assert "is the meta file of a dataset prepared by `griffin prepare`" in capsys.readouterr().err
     assert main(["prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "d2")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_two_files_do_not_put_a_whole_file_in_validation(tmp_path, capsys):
+    """Two files, one a tenth of the other: at the default val fraction the held-out split is a few pieces (about
+    2% of the tokens), not the small file or the big one (before: one of the two whole files)."""
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of the long file\n" for i in range(2000)))
+    (tmp_path / "b.txt").write_text("".join(f"line {i} of the short one\n" for i in range(200)))
+    assert main(["prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--out", str(tmp_path / "data")]) == 0
+    splits = json.loads((tmp_path / "data" / "meta.json").read_text())["splits"]
+    share = splits["val"]["tokens"] / (splits["val"]["tokens"] + splits["train"]["tokens"])
+    assert 0 < share < 0.05, splits
+
+
+def test_info_names_int8_weights_and_points_from_a_run_to_its_checkpoint(tmp_path, gen, capsys):
+    seed_torch(gen)
+    save_pretrained(CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256)), tmp_path / "run" / "checkpoints"
+                    / "step_00000002")
+    (tmp_path / "run" / "checkpoints" / "best").symlink_to("step_00000002")
+    assert main(["info", str(tmp_path / "run")]) == 2
+    assert f"griffin info {tmp_path / 'run' / 'checkpoints' / 'best'}" in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path / "run" / "checkpoints" / "best"), str(tmp_path / "q"), "--int8"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "q")]) == 0
+    assert "int8 weights, one scale per output channel; the rest float32" in capsys.readouterr().out
+
+
+def test_existing_outputs_are_replaced_only_with_overwrite(tmp_path, gen, capsys):
+    seed_torch(gen)
+    save_pretrained(CausalLM(ModelConfig.from_preset("griffin-tiny", vocab_size=256)), tmp_path / "m")
+    (tmp_path / "text.txt").write_text("".join(f"line {i}\n" for i in range(300)))
+    commands = {  # each writes its output once, is refused the second time, and replaces it with --overwrite
+        "prepare": ["prepare", str(tmp_path / "text.txt"), "--out", str(tmp_path / "data")],
+        "quantize": ["quantize", str(tmp_path / "m"), str(tmp_path / "q"), "--int8"],
+        "convert": ["convert", str(tmp_path / "m"), str(tmp_path / "copy")],
+        "tokenizer": ["tokenizer", str(tmp_path / "text.txt"), "--vocab-size", "260", "--out", str(tmp_path / "tok")],
+    }
+    for name, argv in commands.items():
+        assert main(argv) == 0, name
+        capsys.readouterr()
+        assert main(argv) == 2, name
+        assert "pass --overwrite to replace it" in capsys.readouterr().err, name
+        assert main([*argv, "--overwrite"]) == 0, name
+        capsys.readouterr()
 
 
 OPENMP_PROGRAM = """

@@ -63,6 +63,10 @@ def test_each_format_loads_as_load_pretrained_with_the_tokenizer_beside_it(fmt, 
     loaded = load_for_use(path)  # no tokenizer beside it: bytes
     assert isinstance(loaded.tokenizer, ByteTokenizer)
     assert loaded.path == path.resolve() and loaded.name == ("model" if fmt == "official" else "ckpt")
+    link = tmp_path / ("best.pt" if fmt == "official" else "best")
+    link.symlink_to(path)  # as `griffin train` links checkpoints/best: named after the link, not its target
+    best = load_for_use(link, tokenizer=None)
+    assert best.path == path.resolve() and best.name == "best"
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
     assert torch.equal(logits(loaded.model), logits(load_pretrained(path)))
 

@@ -3,7 +3,9 @@
 Exit status: 0 done; 2 a user error (a bad value, a missing, malformed or busy file or directory, a run that cannot
 go on; argparse's usage errors too), printed as one line ``griffin CMD: error: MESSAGE`` naming the value or file;
 130 interrupted (the first Ctrl-C says how to resume, a second one stops at once); 141 the output pipe was closed
-(``griffin presets | head -1``), silently. Anything else is a bug and shows its traceback (exit 1). ``--debug`` shows
+(``griffin presets | head -1``), silently; 143 ``griffin train`` stopped by SIGTERM (a cluster's notice before
+preemption: SLURM, Kubernetes) at its next step boundary, once the checkpoint of that step was written, with one line
+saying how to resume. Anything else is a bug and shows its traceback (exit 1). ``--debug`` shows
 the traceback of every error.
 
 This module imports neither torch nor the model at its top: :func:`main` makes the process's OpenMP setting
@@ -24,10 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from griffin.arguments import renamed
 from griffin.threads import prefer_passive_openmp_wait
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: `griffin train` stopped by SIGTERM, after writing a checkpoint
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`
 
 
@@ -69,6 +73,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.window <= 0:
             raise ValueError(f"--window {args.window} must be a positive number of tokens")
         overrides["attention_window_size"] = args.window
+    if args.lossy and args.to != "official":
+        raise ValueError(f"--lossy applies to --to official only, not --to {args.to} (which writes exactly the "
+                         "model or refuses, saying why)")
     dtype = DTYPES[args.dtype] if args.dtype else None
     sharded = is_sharded(args.src)  # a checkpoint of `griffin train` on several devices: gathered into one
     if sharded and overrides:
@@ -79,11 +86,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     model = load_sharded_model(args.src, dtype) if sharded else load_pretrained(args.src, dtype=dtype, **overrides)
     out = Path(args.dst)
     if args.to == "griffin":
-        save_pretrained(model, out)
+        save_pretrained(model, out, overwrite=args.overwrite)
     elif args.to == "hf":
-        export_hf(model, out)
+        export_hf(model, out, overwrite=args.overwrite)
     else:
-        save_official(model, out, lossy=args.lossy)
+        save_official(model, out, lossy=args.lossy, overwrite=args.overwrite)
     print(f"wrote {args.to} checkpoint of {model.num_parameters():,} parameters to {out}"
           + (" (gathered from a sharded checkpoint)" if sharded else ""))
     return 0
@@ -95,7 +102,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if not args.int8:
         raise ValueError("choose the quantisation: --int8 (weight-only int8, the one there is)")
     model = quantize_checkpoint(args.src, args.dst, args.group_size, DTYPES[args.dtype] if args.dtype else None,
-                                gates=not args.float_gates)
+                                gates=not args.float_gates, overwrite=args.overwrite)
     groups = "one scale per output channel" if args.group_size == 0 else f"one scale per {args.group_size} inputs"
     gates = "RG-LRU gates in float" if args.float_gates else "RG-LRU gates int8"
     print(f"wrote {args.dst}: int8 weights, {groups}; {gates}; activations in {model.dtype}")
@@ -106,6 +113,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from griffin.config import PRESETS, ModelConfig
     from griffin.interop import detect_format, load_pretrained
     from griffin.model import count_parameters
+    from griffin.quantize import quantization_of
 
     if args.path in PRESETS:
         cfg = ModelConfig.from_preset(args.path)
@@ -114,22 +122,46 @@ def cmd_info(args: argparse.Namespace) -> int:
         close = difflib.get_close_matches(args.path, PRESETS, n=3)
         if close and not Path(args.path).exists():
             raise ValueError(f"no preset or checkpoint named {args.path!r}; did you mean {' or '.join(close)}?")
+        path = Path(args.path)
+        if path.is_dir() and not (path / "config.json").exists() and (path / "checkpoints").is_dir():
+            best = path / "checkpoints" / "best"
+            hint = f"; its best checkpoint: griffin info {best}" if best.exists() else ""
+            raise ValueError(f"{path} is a training run, not a checkpoint{hint}")
         print(f"format: {detect_format(args.path)}")
         model = load_pretrained(args.path)
         cfg = model.config
-        print(f"parameters: {model.num_parameters():,} ({model.dtype})")
+        quantized = quantization_of(model)
+        weights = str(model.dtype).removeprefix("torch.")
+        if quantized:
+            g = quantized["group_size"]
+            weights = (f"{quantized['method']} weights, one scale per "
+                       f"{'output channel' if g == 0 else f'{g} inputs'}; the rest {weights}")
+        print(f"parameters: {model.num_parameters():,} ({weights})")
     for key, value in cfg.to_dict().items():
         print(f"  {key}: {value}")
     return 0
 
 
+def _read_text(flag: str, path: str) -> str:
+    """The text of a prompt file; an error that names the flag."""
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a directory, not a text file")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag} {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
-    if args.prompt_file:
-        text = Path(args.prompt_file).read_text(encoding="utf-8")
-        prompts += [line for line in text.splitlines() if line.strip()]
+    prompts += [_read_text("--prompt-file", path) for path in args.prompt_file or []]
+    if args.prompt_lines:
+        prompts += [line for line in _read_text("--prompt-lines", args.prompt_lines).splitlines() if line.strip()]
     if not prompts:
-        raise ValueError("give a prompt with --prompt TEXT or --prompt-file FILE (one prompt per line)")
+        raise ValueError("give a prompt: --prompt TEXT, --prompt-file FILE (the file is one prompt) or "
+                         "--prompt-lines FILE (one prompt per line)")
     return prompts
 
 
@@ -150,7 +182,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _read_prompts(args)
     loaded = load_for_use(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, quantize=args.quantize,
-                          group_size=args.group_size)
+                          group_size=args.group_size, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     rows = encode_prompts(tokenizer, prompts, bos=not args.no_bos and not args.load_state)
     logits, cache = prefill_with_state(model, rows, args.max_new_tokens, load_state=args.load_state,
@@ -188,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from griffin.training import TrainConfig, train
+    from griffin.training import StopRequest, TrainConfig, TrainingStopped, train
     from griffin.training.config import merge_settings, parse_model_override, read_toml
 
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
@@ -198,7 +230,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     given = merge_settings(read_toml(args.config), flags) if args.config else flags
     cfg = resumed_config(given) if given.get("resume") else TrainConfig.from_dict(given, source=source)
     args.interrupt_hint = lambda: _resume_hint(cfg.out)
-    result = train(cfg)
+    # SIGTERM (SLURM's or Kubernetes' notice before preemption): stop at the next step with its checkpoint written
+    with StopRequest.on_signal(signal.SIGTERM) as stop:
+        try:
+            result = train(cfg, stop=stop)
+        except TrainingStopped as stopped:
+            print(f"griffin train: stopped by {stopped.reason} after step {stopped.step}; "
+                  f"{_resume_hint(cfg.out, stopped.checkpoint)}", file=sys.stderr)
+            return EXIT_TERMINATED
     print(f"\ntrained {result.step} steps: validation loss {result.val_loss:.4f} nats/token "
           f"(best {result.best_val_loss:.4f}; unigram baseline {result.unigram_loss:.4f})")
     print(f"checkpoint: {result.checkpoint}   logs: {result.out / 'log.jsonl'}   plot: {result.out / 'loss.png'}")
@@ -209,30 +248,50 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def resumed_config(given: dict[str, Any]):
     """``griffin train --resume``: the run's saved settings (from the checkpoint it resumes) with those ``given``
-    again on top, which must agree where they define the run (:meth:`TrainConfig.resuming`). A run with no
-    checkpoint yet (``--resume`` on a fresh ``--out``) starts from ``given``."""
+    again on top, which must agree where they define the run (:meth:`TrainConfig.resuming`). ``--resume`` (``auto``)
+    with no checkpoint in OUT is a ValueError naming OUT (a mistyped ``--out`` would train from scratch);
+    ``--resume if-any`` then starts a new run from ``given`` (a requeued cluster job running the same command)."""
     from griffin.training import TrainConfig
-    from griffin.training.trainer import resume_checkpoint, saved_run_config
+    from griffin.training.trainer import RESUME_NEWEST, resume_checkpoint, saved_run_config
 
     out = given.get("out", TrainConfig.__dataclass_fields__["out"].default)
     path = resume_checkpoint(out, given["resume"])
     if path is None:
+        if given["resume"] == "auto":
+            raise ValueError(f"--resume: no checkpoint to resume in {out} (nothing in "
+                             f"{Path(out) / 'checkpoints'}); check --out, leave --resume out to start a new run, or "
+                             "use --resume if-any to resume when there is a checkpoint and start a new run otherwise")
         return TrainConfig.from_dict(given, source="the command line")
     saved, model = saved_run_config(path)
-    if given["resume"] == "auto":
+    if given["resume"] in RESUME_NEWEST:
         given = {**given, "out": out}
     return TrainConfig.resuming(saved, given, model, source=str(path))
 
 
-def _resume_hint(out: str) -> str:
-    """What a stopped ``griffin train`` says: how to continue from its newest checkpoint, if it wrote one."""
+def _resume_hint(out: str, checkpoint: Path | None = None) -> str:
+    """What a stopped ``griffin train`` says: how to continue from its newest checkpoint, if it wrote one
+    (``checkpoint``: the one it stopped at, named with the command that continues from it)."""
     from griffin.training.checkpoint import list_checkpoints
 
+    if checkpoint is not None:
+        command = f"griffin train --out {shlex.quote(str(out))} --resume"
+        if Path(checkpoint).resolve().parent != (Path(out) / "checkpoints").resolve():
+            command += f" {shlex.quote(str(checkpoint))}"  # resumed from elsewhere, stopped before its first step
+        return f"checkpoint: {checkpoint}; continue with: {command}"
     done = list_checkpoints(Path(out) / "checkpoints")
     if not done:
         return "no checkpoint was written yet; run the same command to start again"
     return (f"the checkpoints in {out}/checkpoints are kept (newest: {done[-1].name}); continue the run with its "
             f"own settings: griffin train --out {shlex.quote(str(out))} --resume")
+
+
+def _overwrite_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output (otherwise refused)")
+
+
+def _default_note(value: Any) -> str:
+    """`` (default: VALUE)`` as the help formatter writes it, or nothing for an empty default."""
+    return f" (default: {value})" if value != "" else ""
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
@@ -257,18 +316,19 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                            "flags given again must agree with them, except steps, device, layout and logging")
         elif hints[f.name] is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{help_text} (default: {getattr(defaults, f.name)})")
+                           help=help_text + _default_note(getattr(defaults, f.name)))
         else:
             p.add_argument(flag, type=hints[f.name], default=None, choices=f.metadata.get("choices"),
                            metavar=None if f.metadata.get("choices") else f.name.upper(),
-                           help=f"{help_text} (default: {getattr(defaults, f.name)!r})")
+                           help=help_text + _default_note(getattr(defaults, f.name)))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from griffin.data import prepare
 
     meta = prepare(args.inputs or None, args.out, args.tokenizer, val_fraction=args.val_fraction, seed=args.seed,
-                   text_field=args.text_field, shard_tokens=args.shard_tokens, dtype=args.dtype)
+                   text_field=args.text_field, shard_tokens=args.shard_tokens, dtype=args.dtype,
+                   overwrite=args.overwrite)
     for split, info in meta["splits"].items():
         print(f"{split}: {info['tokens']:,} tokens in {info['documents']:,} documents")
     print(f"wrote {args.out} (vocabulary {meta['vocab_size']}, {meta['dtype']})")
@@ -278,7 +338,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_tokenizer(args: argparse.Namespace) -> int:
     from griffin.data.tokenizer import load_tokenizer, train_bpe
 
-    path = train_bpe(args.inputs, args.out, args.vocab_size, text_field=args.text_field)
+    path = train_bpe(args.inputs, Path(args.out) / "tokenizer.json", args.vocab_size, text_field=args.text_field,
+                     overwrite=args.overwrite)
     print(f"wrote {path}: {load_tokenizer(path).vocab_size} tokens")
     return 0
 
@@ -345,10 +406,12 @@ class _SubCommands(argparse._SubParsersAction):
 
 
 class GriffinParser(argparse.ArgumentParser):
-    """An ArgumentParser that suggests the closest names for a mistyped choice (difflib)."""
+    """An ArgumentParser that suggests the closest names for a mistyped choice (difflib) and takes options only by
+    their full names."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # `train --batch` is no `--batch-size`
         super().__init__(*args, **kwargs)
 
     def add_subparsers(self, **kwargs: Any):
@@ -391,8 +454,9 @@ examples:
   griffin COMMAND --help                        the options of a command
 
 exit status: 0 done; 2 a bad value, a missing, malformed or busy file (one line naming it); 130 interrupted
-(Ctrl-C: a second one stops at once); 141 the output pipe closed; 1 an unexpected error (a bug: its traceback is
-shown). --debug shows the traceback of every error."""
+(Ctrl-C: a second one stops at once); 141 the output pipe closed; 143 `griffin train` stopped by SIGTERM (a
+cluster's preemption notice) after checkpointing the step it was at (--resume continues it exactly); 1 an unexpected
+error (a bug: its traceback is shown). --debug shows the traceback of every error."""
 
 EXAMPLES = {
     "presets": "  griffin presets\n  griffin presets --markdown > presets.md\n",
@@ -403,15 +467,15 @@ EXAMPLES = {
              "  griffin train --out runs/mine --resume           continue it (its saved settings; more steps:\n"
              "                                                   --max-steps N)\n",
     "prepare": "  griffin prepare input.txt --out data             one text file: cut into pieces, some held out\n"
-               "  griffin prepare corpus/ --tokenizer tok.json --out data\n",
+               "  griffin prepare corpus/ --tokenizer tok --out data\n",
     "generate": "  griffin generate runs/griffin-cpu/checkpoints/best --prompt \"def \" --temperature 0.8\n"
-                "  griffin generate CKPT --prompt-file prompts.txt --max-new-tokens 32 --seed 0\n"
+                "  griffin generate CKPT --prompt-lines prompts.txt --max-new-tokens 32 --seed 0   one prompt a line\n"
                 "  griffin generate CKPT --prompt-file book.txt --max-new-tokens 0 --save-state book.state\n",
     "convert": "  griffin convert runs/griffin-cpu/checkpoints/best hf-model --to hf\n"
                "  griffin convert 2b.pt recurrentgemma-2b            an official checkpoint to griffin's format\n",
     "quantize": "  griffin quantize runs/griffin-cpu/checkpoints/best int8-model --int8\n",
     "info": "  griffin info griffin-1.3b\n  griffin info runs/griffin-cpu/checkpoints/best\n",
-    "tokenizer": "  griffin tokenizer corpus/ --vocab-size 8192 --out tokenizer.json\n",
+    "tokenizer": "  griffin tokenizer corpus/ --vocab-size 8192 --out tok     writes tok/tokenizer.json\n",
     "serve": "  griffin serve runs/griffin-cpu/checkpoints/best --port 8000\n",
 }
 
@@ -424,6 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = GriffinParser(prog="griffin", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"griffin {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show compiler warnings of griffin's kernels and other diagnostics")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("presets", help="list the model presets with their parameter counts")
@@ -439,25 +505,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="official checkpoints only: attention_window_size used in training (default: the value in "
                         "the .json beside the .pt if any, else 2048)")
     p.add_argument("--lossy", action="store_true",
-                   help="write a format that cannot express the model anyway (with a warning); otherwise refused")
+                   help="--to official only: write the official format even where it cannot express the model "
+                        "(with a warning); otherwise refused")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    _overwrite_option(p)
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("quantize", help="write a checkpoint with weight-only int8 weights (half the memory of "
-                       "bfloat16; CPU decoding about 1.6x bfloat16's at batch 1, slower at batch 8: "
-                       "docs/performance.md)")
+    p = sub.add_parser("quantize", help="write a checkpoint with weight-only int8 weights (half the bytes of "
+                       "bfloat16; CPU decode speed and quality: docs/performance.md)")
     p.add_argument("src", help="a float checkpoint (griffin, HF RecurrentGemma or official)")
     p.add_argument("dst", help="output directory (griffin format: int8 weights and their float32 scales)")
     p.add_argument("--int8", action="store_true",
                    help="weight-only int8: linear layers, embedding and output layer, RG-LRU gates")
     p.add_argument("--float-gates", action="store_true",
-                   help="keep the RG-LRU's block-diagonal gates in float (int8 cost no measurable quality: "
+                   help="keep the RG-LRU's block-diagonal gates in float (their int8 quality: "
                         "docs/performance.md)")
     p.add_argument("--group-size", type=int, default=0,
                    help="inputs sharing one scale: 0 (default) for one scale per output channel, or a multiple of "
                         "8 dividing every layer's input width (e.g. 128)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="dtype of what stays in float (activations, norms, RG-LRU, biases); default: as stored")
+    _overwrite_option(p)
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
@@ -467,7 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'auto': the tokenizer stored beside the checkpoint (in its directory, or beside a .pt file), "
                         "else bytes")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-file", help="a text file with one prompt per line")
+    p.add_argument("--prompt-file", action="append", help="a text file, the whole of it one prompt (repeat for a "
+                   "batch)")
+    p.add_argument("--prompt-lines", metavar="FILE", help="a text file with one prompt per line (a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after each prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 samples greedily")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -478,6 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token")
     p.add_argument("--chunk-size", type=int, default=1024, help="prefill chunk length (bounds memory)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.add_argument("--save-state", help="save the model state after the prompt to this file (a snapshot)")
     p.add_argument("--load-state", help="continue from a saved state instead of an empty context")
     p.add_argument("--compile", action="store_true",
@@ -505,15 +576,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
     p.add_argument("--text-field", default="text", help="the text field of JSONL records and parquet tables")
     p.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
-    p.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
-                   help="token dtype (default: uint16 if the vocabulary fits, else uint32)")
+    renamed(p, "--dtype", p.add_argument("--token-dtype", choices=("uint16", "uint32"), default=None, dest="dtype",
+                                         help="dtype of the token ids (default: uint16 if the vocabulary fits, "
+                                              "else uint32)"))
+    _overwrite_option(p)
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (HF tokenizers) on local files")
     p.add_argument("inputs", nargs="+", help="text, JSONL or parquet files or directories")
-    p.add_argument("--out", required=True, help="output tokenizer.json")
+    p.add_argument("--out", required=True, help="output directory: its tokenizer.json (give the directory to "
+                   "--tokenizer of prepare, train, generate)")
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size")
     p.add_argument("--text-field", default="text", help="the text field of JSONL records and parquet tables")
+    _overwrite_option(p)
     p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("info", help="show the config of a preset or a checkpoint")
@@ -594,6 +669,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     OpenMP's idle threads sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, set before torch loads)."""
     prefer_passive_openmp_wait()
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):  # read where griffin's kernels compile (griffin.ops.jit.verbose), children too
+        import os
+
+        os.environ["GRIFFIN_VERBOSE"] = "1"
     debug = getattr(args, "debug", False)
     restore = _install_interrupt_handler()
     try:

@@ -19,8 +19,9 @@ from griffin.quantize import METHODS, quantization_of, quantize_int8
 @dataclass
 class Loaded:
     """What :func:`load_for_use` returns: the ``model`` (eval mode, parameters without gradients, on the device),
-    its ``tokenizer`` (None when none was asked for), the checkpoint's resolved ``path`` and a display ``name`` (the
-    checkpoint directory's name, or a checkpoint file's stem)."""
+    its ``tokenizer`` (None when none was asked for), the checkpoint's resolved ``path`` and a display ``name``: the
+    name the checkpoint was given by (``best`` for ``runs/x/checkpoints/best``, not the step the link points to), or
+    a checkpoint file's stem."""
 
     model: CausalLM
     tokenizer: Tokenizer | None
@@ -82,7 +83,8 @@ def load_for_use(path: str | Path, *, tokenizer: str | Path | Tokenizer | None =
         model = quantize_int8(model, group_size, inplace=True)
     model = model.to(device).eval().requires_grad_(False)
     resolved = path.resolve()
-    return Loaded(model, tok, resolved, resolved.name if resolved.is_dir() else resolved.stem)
+    named = path.absolute()  # keeps the link's name: `.resolve()` would turn `best` into `step_00000300`
+    return Loaded(model, tok, resolved, named.name if resolved.is_dir() else named.stem)
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -4,8 +4,8 @@ weights' bytes over the memory bandwidth; int8 halves bfloat16's bytes), as modu
 :func:`quantize_int8` replaces every ``nn.Linear`` (the MLP's, the recurrent block's, attention's projections),
 the embedding and the output layer (tied to it or not) by their int8 versions (:mod:`griffin.layers.quantized`).
 The RG-LRU's block-diagonal gates become int8 too (:class:`griffin.layers.quantized.Int8BlockDiagonalLinear`, one
-scale per block and output column) unless ``gates=False``: rounding them moved the held-out loss of the README's
-model by -0.02% (benchmarks/quantize_quality.py, docs/performance.md). What stays in the model's dtype: the RG-LRU's
+scale per block and output column) unless ``gates=False`` (their effect on the held-out loss:
+benchmarks/quantize_quality.py, docs/performance.md). What stays in the model's dtype: the RG-LRU's
 decay Λ (it sets the recurrence's time scales), the Conv1D, the norms and every bias. A quantised model is still a
 :class:`griffin.model.CausalLM`: its forward pass dequantises (the reference), and :class:`griffin.inference.Decoder`
 decodes with the CPU kernels that read the int8 weights directly. Its state dict is the float model's names (int8

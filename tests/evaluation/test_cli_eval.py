@@ -69,12 +69,12 @@ def test_bad_input_is_refused_and_nothing_is_written(checkpoint, text, tmp_path,
     save_pretrained(CausalLM(ModelConfig.from_preset("hawk-tiny")), small)  # a 32-token vocabulary
     fails(["eval", "loss", str(small), "--data", text, "--out", str(out)],
           "the tokenizer has 256 tokens but the checkpoint's vocabulary only 32")
-    fails(["eval", "harness", checkpoint, "--tasks", "hellaswag,nosuchtask", "--out", str(out / "r.json")],
+    fails(["eval", "harness", checkpoint, "--tasks", "hellaswag,nosuchtask", "--out", str(out)],
           "unknown task 'nosuchtask'")
     fails(["eval", "harness", checkpoint, "--tasks", "hellaswag", "--task-data", str(tmp_path),
-           "--out", str(out / "r.json")], "missing task data")
+           "--out", str(out)], "missing task data")
     fails(["eval", "harness", checkpoint, "--tasks", "piqa", "--task-data", str(tmp_path),
-           "--out", str(out / "r.json")], "griffin eval export-tasks DIR --tasks piqa")
+           "--out", str(out)], "griffin eval export-tasks --out DIR --tasks piqa")
 
 
 def test_data_prepared_with_another_tokenizer_is_refused(checkpoint, tmp_path, capsys, gen):

@@ -136,7 +136,7 @@ def test_long_context_windows_are_consecutive_and_whole():
 
 
 def test_long_context_and_window_runs_take_their_sizes_from_the_command_line(capsys):
-    assert main(["experiment", "long-context", "--seq-len", "256", "--batch-size", "8", "--steps", "60", "--width",
+    assert main(["experiment", "long-context", "--seq-len", "256", "--batch-size", "8", "--max-steps", "60", "--width",
                  "96", "--depth", "6", "--families", "griffin", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "griffin-T256" in out and "griffin-T1024" in out and f"{60 * 8 * 256:,} tokens" in out

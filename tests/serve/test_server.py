@@ -265,7 +265,7 @@ def test_griffin_serve_command_serves_a_checkpoint_and_shuts_down_gracefully(gen
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "griffin.cli", "serve", str(tmp_path / "hawk"), "--port",
-                             str(port), "--max-batch", "4", "--shutdown-grace", "10", "--log-level", "warning"],
+                             str(port), "--max-batch-size", "4", "--shutdown-grace", "10", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)

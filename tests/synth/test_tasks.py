@@ -169,6 +169,6 @@ def test_bad_tasks_on_the_command_line(tmp_path, capsys):
     assert "seq_len=20 is too short" in capsys.readouterr().err
     assert main(["synth", "mqar", "--out", str(tmp_path), "--vocab-size", "64"]) == 2
     assert "vocab_size=64 is too small" in capsys.readouterr().err
-    assert main(["synth", "induction_heads", "--out", str(tmp_path), "--family", "hawk", "--steps", "0"]) == 2
+    assert main(["synth", "induction_heads", "--out", str(tmp_path), "--family", "hawk", "--max-steps", "0"]) == 2
     assert "steps=0 must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists(), "nothing ran"

@@ -77,7 +77,7 @@ def test_the_trainer_refuses_a_source_that_is_not_one(tmp_path, gen):
 
 
 def test_command_line_train_eval_compare(tmp_path, capsys):
-    quick = ["--steps", "2", "--batch", "2", "--eval-every", "1", "--eval-sequences", "4", "--no-progress",
+    quick = ["--max-steps", "2", "--batch-size", "2", "--eval-interval", "1", "--eval-sequences", "4", "--no-progress",
              "--no-tensorboard", "--seq-len", "16", "--window", "8"]
     run = tmp_path / "hawk"
     assert main(["synth", "induction-heads", "--family", "hawk", "--out", str(run), *quick]) == 0

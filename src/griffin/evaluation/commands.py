@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -132,16 +133,23 @@ def cmd_harness(args: argparse.Namespace) -> int:
     payload = {"checkpoint": args.checkpoint, "tasks": tasks, "seconds": seconds,
                "results": results.get("results", {}), "groups": results.get("groups", {}),
                "n-samples": results.get("n-samples", {}), "versions": results.get("versions", {})}
-    write_json(Path(args.out), json.loads(json.dumps(payload, default=float)))
-    print(f"wrote {args.out} ({seconds:.1f} s)")
+    out = Path(args.out) / "harness.json"
+    write_json(out, json.loads(json.dumps(payload, default=float)))
+    print(f"wrote {out} ({seconds:.1f} s)")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from griffin.evaluation.tasks import export_tasks
 
-    written = export_tasks(args.out, [t for t in args.tasks.split(",") if t.strip()])
-    print(f"wrote {len(written)} files under {args.out}; copy it to the offline machine and pass --task-data")
+    if args.old_out is not None:
+        print("griffin eval export-tasks: the positional output directory is renamed --out; the old spelling goes "
+              "in the next release", file=sys.stderr)
+    out = args.out or args.old_out
+    if out is None:
+        raise ValueError("give the output directory: --out DIR")
+    written = export_tasks(out, [t for t in args.tasks.split(",") if t.strip()])
+    print(f"wrote {len(written)} files under {out}; copy it to the offline machine and pass --task-data")
     return 0
 
 
@@ -211,11 +219,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     q.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
     q.add_argument("--batch-size", type=int, default=16, help="contexts per batch")
-    q.add_argument("--out", default="runs/eval/harness.json", help="the results JSON")
+    q.add_argument("--out", default="runs/eval", help="directory for harness.json, the results")
     q.set_defaults(func=cmd_harness)
 
     q = ev.add_parser("export-tasks", help="download the task documents as JSONL (needs internet and `datasets`)")
-    q.add_argument("out", help="output directory (pass it to `griffin eval harness --task-data`)")
+    q.add_argument("--out", help="output directory (pass it to `griffin eval harness --task-data`); required")
+    q.add_argument("old_out", nargs="?", help=argparse.SUPPRESS)  # the positional of the last release
     q.add_argument("--tasks", default="paper", help="comma-separated tasks (default: the paper's six)")
     q.set_defaults(func=cmd_export)
 

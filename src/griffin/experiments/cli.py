@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from griffin.arguments import renamed
 from griffin.config import FAMILIES
 from griffin.experiments.scaling import check_families
 
@@ -86,7 +87,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
         evaluate = per_position_evaluation(grid.meta["eval_length"])
     results = run_grid(grid, out, workers=args.workers, threads=args.threads, launcher=args.launcher,
-                       evaluate=evaluate, progress=not args.no_progress)
+                       evaluate=evaluate, progress=args.progress)
     if args.experiment == "scaling":
         from griffin.experiments.scaling import analyse
     elif args.experiment == "long-context":
@@ -122,7 +123,8 @@ def add_experiment_parser(sub: argparse._SubParsersAction) -> None:
     shape = p.add_argument_group("long-context and window runs (defaults: the CPU sizes in docs/experiments.md)")
     shape.add_argument("--seq-len", type=int, help="the base training length T")
     shape.add_argument("--batch-size", type=int, help="sequences per step at T (divided by the length factor above T)")
-    shape.add_argument("--steps", type=int, help="optimizer steps of every run (before --budget)")
+    renamed(shape, "--steps", shape.add_argument("--max-steps", type=int, dest="steps",
+                                                 help="optimizer steps of every run (before --budget)"))
     shape.add_argument("--width", type=int, help="model width D (the shape rules of the scaling ladder)")
     shape.add_argument("--depth", type=int, help="residual blocks")
     shape.add_argument("--lr", type=float, help="peak learning rate")
@@ -139,5 +141,5 @@ def add_experiment_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a griffin train setting for every run "
                    "(device=cuda, precision=bf16, compile=true, tp=2, ...)")
     p.add_argument("--dry-run", action="store_true", help="list the runs with their parameters, tokens and FLOPs")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     p.set_defaults(func=cmd_experiment)

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from griffin.arguments import renamed
 from griffin.config import PRESETS, ModelConfig
 from griffin.io import write_json
 from griffin.parallel.plan import GPUS, Layout, describe, estimate, format_plan, plan
@@ -50,17 +51,19 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                        "a model on N GPUs (docs/distributed.md)")
     p.add_argument("preset", help="a model preset, e.g. griffin-7b, hawk-14b, recurrentgemma-9b (`griffin presets`)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU kind (default: h100)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048, the paper's)")
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step (default: 1024)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU kind")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (the paper's)")
+    renamed(p, "--global-batch", p.add_argument("--global-batch-size", type=int, default=1024, dest="global_batch",
+                                                help="sequences per optimizer step"))
     p.add_argument("--loss-chunk", type=int, default=4096, help="rows of logits at a time in the loss (0: all)")
-    p.add_argument("--top", type=int, default=12, help="layouts shown (default: 12)")
+    p.add_argument("--top", type=int, default=12, help="layouts shown")
     p.add_argument("--tp", type=int, default=0, help="evaluate this layout only (with --dp-shard, --dp-replicate)")
     p.add_argument("--dp-shard", type=int, default=0,
                    help="evaluate one layout with this many ZeRO-3 shards (0: 1 when --tp or --dp-replicate is given)")
     p.add_argument("--dp-replicate", type=int, default=0,
                    help="evaluate one layout with this many replicas (0: the GPUs that tp and dp_shard leave)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step (one layout)")
+    renamed(p, "--micro-batch", p.add_argument("--micro-batch-size", type=int, default=1, dest="micro_batch",
+                                               help="sequences per GPU per micro-step (one layout)"))
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="count activations as recomputed per block (only block inputs kept)")
     p.add_argument("--sequence-parallel", action="store_true",

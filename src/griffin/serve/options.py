@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from griffin.arguments import renamed
 from griffin.interop import DTYPES
 
 
@@ -45,7 +46,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig("")
     p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
     p.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=d.port, help="port (default: %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="port")
     p.add_argument("--tokenizer", default=d.tokenizer,
                    help="'bytes', a tokenizer.json, a SentencePiece .model, or a directory holding one; 'auto': the "
                         "tokenizer stored beside the checkpoint (in its directory, or beside a .pt file), else bytes")
@@ -56,33 +57,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve weight-only int8 weights, quantised on loading (CPU only; an int8 checkpoint from "
                         "`griffin quantize` needs no flag): about half bfloat16's bytes read per decode step")
     p.add_argument("--group-size", type=int, default=d.group_size,
-                   help="with --quantize: inputs per int8 scale (default 0: one scale per output channel)")
-    p.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=d.max_batch,
-                   help="rows of the running batch: requests decoded together (default: %(default)s)")
+                   help="with --quantize: inputs per int8 scale (0: one scale per output channel)")
+    p.add_argument("--device", default=d.device, help="torch device")
+    renamed(p, "--max-batch", p.add_argument("--max-batch-size", type=int, default=d.max_batch, dest="max_batch",
+                                             help="rows of the running batch: requests decoded together"))
     p.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="requests waiting for a row before the server answers 429 (default: %(default)s)")
+                   help="requests waiting for a row before the server answers 429")
     p.add_argument("--max-length", type=int, default=None,
                    help="models with global attention (MQA): tokens per row of the KV cache, prompt + output "
-                        "(default 4096); Hawk and Griffin have a bounded state and need none")
+                        "(default: 4096); Hawk and Griffin have a bounded state and need none")
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
-                   help="the largest max_tokens a request may ask for (default: %(default)s)")
+                   help="the largest max_tokens a request may ask for")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
-                   help="max_tokens of a chat request that gives none (default: %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
-                   help="prompt tokens per forward pass, and per step between two decode steps (default: "
-                        "%(default)s): smaller keeps the running requests' per-token latency low while long "
-                        "prompts are read")
+                   help="max_tokens of a chat request that gives none")
+    renamed(p, "--prefill-chunk", p.add_argument(
+        "--chunk-size", type=int, default=d.prefill_chunk, dest="prefill_chunk",
+        help="prompt tokens per forward pass, and per step between two decode steps: smaller keeps the running "
+             "requests' per-token latency low while long prompts are read"))
     p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
                    help="memory for the states after prompt prefixes (chat turns, system prompts) kept for reuse; "
-                        "0 disables it (default: %(default)s)")
+                        "0 disables it")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step for each power-of-two batch size at start-up (slow to start)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                   help="seconds a request may take from its arrival (default: %(default)s)")
+                   help="seconds a request may take from its arrival")
     p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
-                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled "
-                        "(default: %(default)s)")
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are cancelled")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file, or 'plain' (default: the tokenizer's, else plain; "
                         "docs/serving.md)")

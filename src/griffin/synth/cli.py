@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from griffin.arguments import renamed
 from griffin.config import FAMILIES
 from griffin.synth.tasks import TASKS, make_task
 
@@ -22,24 +23,34 @@ in minutes on a CPU, and what they showed."""
 ALIASES = {name: [name.replace("_", "-")] if "_" in name else [] for name in TASKS}
 
 
-def _task_options(p: argparse.ArgumentParser) -> None:
+TASK_OPTIONS = {"selective_copying": ("num_data",), "induction_heads": (), "mqar": ("num_pairs", "power_a")}
+"""The options of each task beyond its length and vocabulary (``griffin synth compare`` takes those of its task)."""
+
+
+def _task_options(p: argparse.ArgumentParser, task: str | None = None) -> None:
+    """The task's settings; ``task`` None: those of every task (``compare``, whose task is an argument)."""
     g = p.add_argument_group("task (defaults: the paper's / Zoology's settings)")
     g.add_argument("--seq-len", type=int, help="training sequence length (1024 / 256 / 256)")
     g.add_argument("--vocab-size", type=int, help="vocabulary (16 / 16 / 8192)")
-    g.add_argument("--num-data", type=int, help="selective copying: data tokens to copy (16)")
-    g.add_argument("--num-pairs", type=int, help="mqar: key-value pairs (64)")
-    g.add_argument("--power-a", type=float, help="mqar: power law of the query gaps (0.01)")
+    own = {k for name, keys in TASK_OPTIONS.items() if task in (None, name) for k in keys}
+    if "num_data" in own:
+        g.add_argument("--num-data", type=int, help="selective copying: data tokens to copy (16)")
+    if "num_pairs" in own:
+        g.add_argument("--num-pairs", type=int, help="mqar: key-value pairs (64)")
+    if "power_a" in own:
+        g.add_argument("--power-a", type=float, help="mqar: power law of the query gaps (0.01)")
 
 
 def _train_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training (defaults: the task's CPU budget, see docs/experiments.md)")
-    g.add_argument("--steps", type=int, help="optimizer steps")
-    g.add_argument("--batch", type=int, dest="batch_size", help="sequences per step")
+    renamed(g, "--steps", g.add_argument("--max-steps", type=int, dest="steps", help="optimizer steps"))
+    renamed(g, "--batch", g.add_argument("--batch-size", type=int, help="sequences per step"))
     g.add_argument("--lr", type=float, help="peak learning rate (AdamW, warm-up then cosine decay)")
     g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default: min(50, steps / 10))")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the training stream")
-    g.add_argument("--eval-every", type=int, help="evaluate on the fixed held-out set every N steps")
+    renamed(g, "--eval-every", g.add_argument("--eval-interval", type=int, dest="eval_every",
+                                              help="evaluate on the fixed held-out set every N steps"))
     g.add_argument("--eval-sequences", type=int, help="sequences in the held-out set")
     g.add_argument("--window", type=int,
                    help="Griffin's local-attention window (default: the paper's, 512 / 128 / 128, at most half of "
@@ -55,15 +66,16 @@ def _train_options(p: argparse.ArgumentParser) -> None:
 def _length_options(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--lengths", type=int, nargs="+", required=required, metavar="T",
                    help="evaluation sequence lengths, e.g. 256 1024 4096 65536")
-    p.add_argument("--sequences", type=int, default=32, help="held-out sequences per length (default 32)")
-    p.add_argument("--eval-batch", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--sequences", type=int, default=32, help="held-out sequences per length")
+    renamed(p, "--eval-batch", p.add_argument("--eval-batch-size", type=int, default=8, dest="eval_batch",
+                                              help="sequences per forward pass of the evaluation"))
     p.add_argument("--chunk-size", type=int, default=1024,
-                   help="tokens per chunk of the cached forward: bounds the memory of Hawk and Griffin (default 1024)")
+                   help="tokens per chunk of the cached forward: bounds the memory of Hawk and Griffin")
 
 
 def _task(args: argparse.Namespace, name: str):
-    return make_task(name, seq_len=args.seq_len, vocab_size=args.vocab_size, num_data=args.num_data,
-                     num_pairs=args.num_pairs, power_a=args.power_a)
+    return make_task(name, seq_len=args.seq_len, vocab_size=args.vocab_size, num_data=getattr(args, "num_data", None),
+                     num_pairs=getattr(args, "num_pairs", None), power_a=getattr(args, "power_a", None))
 
 
 def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,7 +113,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for r in results:
         print(f"| {r['length']:,} | {r['accuracy']:.4f} | {r['perfect']:.4f} | {r['val_loss']:.4f} | "
               f"{r['seconds']:.1f} |")
-    out = Path(args.out) if args.out else Path(args.dir) / "lengths.json"
+    out = Path(args.out or args.dir) / "lengths.json"
     write_json(out, {"task": task.to_dict(), "family": model.config.family, "lengths": results})
     print(f"wrote {out}")
     return 0
@@ -134,17 +146,17 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="synth_command", required=True, metavar="{TASK,eval,compare}")
     for name in TASKS:
         t = actions.add_parser(name, aliases=ALIASES[name], help=f"train one family on {name}")
-        t.add_argument("--family", choices=FAMILIES, default="griffin", help="model family (default griffin)")
+        t.add_argument("--family", choices=FAMILIES, default="griffin", help="model family")
         t.add_argument("--out", required=True, help="run directory: checkpoints, logs, the final model, task.json")
         t.add_argument("--resume", action="store_true", help="continue the run in OUT from its newest checkpoint")
-        _task_options(t)
+        _task_options(t, name)
         _train_options(t)
         t.set_defaults(func=cmd_train, task=name)
 
     e = actions.add_parser("eval", help="accuracy of a trained run at other sequence lengths")
     e.add_argument("dir", help="a `griffin synth` run directory (model + task.json)")
     _length_options(e, required=True)
-    e.add_argument("--out", help="JSON of the results (default DIR/lengths.json)")
+    e.add_argument("--out", help="directory of lengths.json (default: DIR)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     e.set_defaults(func=cmd_eval)
 
@@ -158,5 +170,5 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     _length_options(c, required=False)  # induction heads: 256, 512, ..., 65536 unless given
     c.add_argument("--attention-max-length", type=int, default=8192,
                    help="evaluate global attention (MQA) up to this length only: its cost grows with the square of "
-                        "the length (default 8192)")
+                        "the length")
     c.set_defaults(func=cmd_compare)
