@@ -9,6 +9,12 @@ the digest of every kernel source (:data:`KERNEL_SOURCES`), and an entry whose s
 overwritten. Nothing is hashed or deleted on import: the digest is taken at a process's first compilation or cache
 lookup.
 
+**Quiet compilations.** numba's warnings about its own internals (:data:`QUIET_WARNINGS`: its pedantic IR checks,
+"please report to numba", and its performance remarks) are not shown while a kernel compiles, unless griffin is
+verbose (:func:`verbose`: ``griffin --verbose`` or ``GRIFFIN_VERBOSE=1``); the user's own numba functions keep
+numba's warnings. (The kernels are written so that they raise none: the filter keeps a numba release's new remarks
+out of a user's output.)
+
 **The helpers** (numba only): :func:`exp_vectorizable` and :func:`sigmoid_vectorizable` (an e^x that LLVM vectorises,
 where ``math.exp`` is a call to libm), :func:`widen` (a stored value as float32) and :func:`narrow` (a float32 as the
 model stores it: bfloat16 rounded to nearest even, as ``Tensor.to(torch.bfloat16)``), and :func:`storage` (the numpy
@@ -20,6 +26,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +37,8 @@ import torch
 from llvmlite import ir
 from numba import types
 from numba.core import caching
-from numba.core.errors import TypingError
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.errors import NumbaIRAssumptionWarning, NumbaPerformanceWarning, TypingError
 from numba.extending import intrinsic, overload
 
 from griffin.threads import prefer_passive_openmp_wait
@@ -65,15 +74,43 @@ class _KernelCache(caching.FunctionCache):
     _impl_class = _KernelCacheImpl
 
 
+VERBOSE_ENV = "GRIFFIN_VERBOSE"  # set (not "0") by ``griffin --verbose``; inherited by the processes it starts
+QUIET_WARNINGS = (NumbaIRAssumptionWarning, NumbaPerformanceWarning)  # not shown while a kernel compiles
+
+
+def verbose() -> bool:
+    """Whether griffin shows its kernels' compiler warnings (:data:`QUIET_WARNINGS`): ``GRIFFIN_VERBOSE`` set to
+    anything but ``0`` (``griffin --verbose`` sets it). Read at each compilation."""
+    return os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
+
+
+def _quiet(compile: Callable) -> Callable:
+    """A dispatcher's ``compile`` (the one way numba compiles it, called or typed from another function) with
+    :data:`QUIET_WARNINGS` ignored while it runs, unless :func:`verbose`. (Under numba's compiler lock, which is
+    reentrant: the process-wide filters are set and restored by one thread at a time.)"""
+
+    @functools.wraps(compile)
+    def quiet_compile(sig):
+        if verbose():
+            return compile(sig)
+        with global_compiler_lock, warnings.catch_warnings():
+            for category in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", category=category)
+            return compile(sig)
+
+    return quiet_compile
+
+
 def kernel(**options: object) -> Callable:
-    """``numba.njit(**options)`` whose compilations are cached on disk and valid while no kernel source changes
-    (see the module docstring)."""
+    """``numba.njit(**options)`` whose compilations are cached on disk and valid while no kernel source changes,
+    and quiet (see the module docstring)."""
     if "cache" in options:
         raise TypeError("kernel() always caches: leave out cache=")
 
     def wrap(function: Callable) -> Callable:
         dispatcher = numba.njit(**options)(function)
         dispatcher._cache = _KernelCache(dispatcher.py_func)  # what Dispatcher.enable_caching sets, re-stamped
+        dispatcher.compile = _quiet(dispatcher.compile)
         return dispatcher
 
     return wrap

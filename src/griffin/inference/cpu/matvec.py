@@ -807,6 +807,10 @@ def _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out)
 
 @overload(rows_task, inline="always")
 def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
+    # Each implementation calls its task as a statement and returns nothing: one that returned the (None) value of the
+    # inlined call (a lambda) left numba's SSA pass, in the functions that inline this in a loop
+    # (griffin.inference.cpu.block_step._matmul_phase), a variable of no scope: a NumbaIRAssumptionWarning per
+    # compilation (issue 35).
     stored = arrays.dtype.dtype if isinstance(arrays, types.UniTuple) else None
     if stored == types.uint16 and x.dtype == types.uint16 and "bfloat16" in DOT_INSTRUCTIONS:
         def bf16(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
@@ -818,8 +822,10 @@ def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
         return bf16
     if stored == types.int8 and "int8" in DOT_INSTRUCTIONS:
         if not TILE_INSTRUCTIONS:  # (LLVM cannot compile the tile kernel for a host without them)
-            return lambda t, x, buffers, arrays, tiles, scale, bias, sums, settings, out: _int8_rows_task(
-                t, buffers, arrays, tiles, scale, bias, sums, settings, out)
+            def int8(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
+                _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out)
+
+            return int8
 
         def tiled(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
             path, _, high, low, steps, packed = buffers
@@ -829,8 +835,11 @@ def _rows_task(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
                 _int8_rows_task(t, buffers, arrays, tiles, scale, bias, sums, settings, out)
 
         return tiled
-    return lambda t, x, buffers, arrays, tiles, scale, bias, sums, settings, out: _widened_rows_task(
-        t, buffers, arrays, tiles, scale, bias, settings, out)
+
+    def widened(t, x, buffers, arrays, tiles, scale, bias, sums, settings, out):
+        _widened_rows_task(t, buffers, arrays, tiles, scale, bias, settings, out)
+
+    return widened
 
 
 @kernel(parallel=PRANGE_ONLY, fastmath=True)
