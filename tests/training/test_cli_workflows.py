@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from griffin.cli import main
 from griffin.interop import CheckpointError
 from griffin.training import TrainConfig, Trainer
 from griffin.training.checkpoint import list_checkpoints
+from tests.training.signals import signal_once_ready
 
 WORDS = "the of and a to in is you that it he was for on are as with his they at be this from".split()
 TINY = ["--preset", "griffin-tiny", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
@@ -86,20 +85,11 @@ def test_ctrl_c_says_how_to_resume(one_file_data, tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "griffin.cli", "train", "--data", str(one_file_data), "--out", str(run), *TINY,
                "--max-steps", "100000", "--ckpt-interval", "1", "--eval-interval", "100000"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        # two checkpoints: the run is in its steady loop (once, in a fresh environment, a SIGINT sent right after the
-        # first one was not seen within 120 s; not reproduced since)
-        while len(list_checkpoints(run / "checkpoints")) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, stderr
+    # two checkpoints: the run is in its steady loop (once, in a fresh environment, a SIGINT sent right after the
+    # first one was not seen within 120 s; not reproduced since)
+    returncode, stdout, stderr = signal_once_ready(command, lambda: len(list_checkpoints(run / "checkpoints")) >= 2,
+                                                   signal.SIGINT, poll=0.2)
+    assert returncode == 130, stderr
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("griffin train: interrupted; the checkpoints in ") and \

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from griffin.cli import EXIT_TERMINATED, main
 from griffin.training import StopRequest, TrainConfig, Trainer, TrainingStopped
 from griffin.training.checkpoint import list_checkpoints
 from tests.conftest import words_dataset
+from tests.training.signals import signal_once_ready
 
 # A constant learning rate after warm-up (min_lr_ratio 1): the schedule does not depend on max_steps, so a run
 # started for 100,000 steps, stopped and resumed to step F matches a run of F steps. One thread in every process:
@@ -58,18 +58,9 @@ def test_sigterm_checkpoints_and_resume_is_bit_identical(dataset, tmp_path, keep
     run, ref = tmp_path / "run", tmp_path / "ref"
     command = [sys.executable, "-m", "griffin.cli", "train", "--data", str(dataset), "--out", str(run), *ARGS,
                "--max-steps", "100000"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while max(losses(run), default=0) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == EXIT_TERMINATED == 143, stderr
+    returncode, stdout, stderr = signal_once_ready(command, lambda: max(losses(run), default=0) >= 2,
+                                                   signal.SIGTERM, poll=0.02)
+    assert returncode == EXIT_TERMINATED == 143, stderr
     assert "Traceback" not in stderr and "trained" not in stdout
     (stop,) = records(run, "stop")
     step = stop["step"]
