@@ -3,10 +3,15 @@ runs as written, at tiny sizes (issue 35): a command that a doc gives and the co
 
 from __future__ import annotations
 
+import json
+import random
 import re
 import shlex
+import shutil
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from griffin.cli import EPILOG, EXAMPLES, build_parser, main
@@ -82,21 +87,29 @@ def test_every_documented_command_parses(where, argv, capsys):
 
 
 @pytest.fixture
-def readme_tour(tmp_path, monkeypatch):
-    """A directory where the README's commands run as written: `griffin train`'s run at tiny sizes in its default
-    `runs/griffin-cpu`, and the files the commands name."""
+def tour_dir(tmp_path, monkeypatch):
+    """A directory where the docs' commands run as written: the files they name, and the configs they read."""
     monkeypatch.chdir(tmp_path)
     words = "the of and a to in is you that it he was for on are as with his they at be".split()
-    (tmp_path / "input.txt").write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(9))
-                                                  for i in range(600)) + "\n")
+    rng = random.Random(0)  # varied text: a BPE vocabulary does not swallow it whole
+    lines = [" ".join(rng.choice(words) + rng.choice(("", "s", "ed", "ing")) for _ in range(9)) for _ in range(600)]
+    (tmp_path / "input.txt").write_text("\n".join(lines) + "\n")
     (tmp_path / "book.txt").write_text("Chapter 1\n\nThe griffin flew.\nIt landed.\n")
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):
+        (tmp_path / "corpus" / f"{i}.txt").write_text("\n".join(lines[i * 150:(i + 1) * 150]) + "\n")
+    paragraphs = ["\n".join(lines[i:i + 10]) for i in range(0, 600, 10)]
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[45:52]))
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[52:]))
+    pq.write_table(pa.table({"text": paragraphs[:4]}), tmp_path / "pages.parquet")
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
     return tmp_path
 
 
 TINY_TRAIN = ["--data", "input.txt", "--preset", "griffin-tiny", "--seq-len", "32", "--batch-size", "2",
               "--max-steps", "2", "--eval-batches", "1", "--eval-interval", "2", "--ckpt-interval", "2",
               "--sample-tokens", "4", "--no-progress", "--no-tensorboard"]
-AT_TINY_SIZES = {  # what each command of the README's tour gets appended, to run in seconds
+AT_TINY_SIZES = {  # what the docs' commands get appended, to run in seconds (the last of a repeated flag counts)
     "train": TINY_TRAIN,
     "eval phonebook": ["--seeds", "0", "--samples", "2"],
     "eval loss": ["--max-documents", "4", "--max-length", "64"],
@@ -104,36 +117,55 @@ AT_TINY_SIZES = {  # what each command of the README's tour gets appended, to ru
 NOT_RUN = {  # covered where they can run: their own tests
     "serve": "a server that runs until stopped (tests/serve)",
     "eval harness": "needs the exported task files (tests/evaluation)",
+    "eval export-tasks": "downloads the tasks (tests/evaluation)",
     "convert griffin.pt": "needs an official checkpoint file (tests/interop)",
-    "convert path/to/hf-dir": "runs below, on the HF directory the README's previous command writes",
+    "convert path/to/hf-dir": "runs in the README's tour, on the HF directory its next command writes",
     "generate CKPT --tokenizer tokenizer.model": "needs a SentencePiece model (tests/data)",
 }
+PLACEHOLDERS = {"CKPT": "runs/griffin-cpu/checkpoints/best", "OUT": "int8-model", "out-dir": "from-hf",
+                "A": "runs/griffin-cpu/checkpoints/best", "B": "runs/bigger/checkpoints/best",
+                "C": "runs/job/checkpoints/best", "DATA": "runs/griffin-cpu/data"}
 
 
-def readme_tour_commands() -> list[list[str]]:
-    placeholders = {"CKPT": "runs/griffin-cpu/checkpoints/best", "OUT": "int8-model", "griffin-dir":
-                    "runs/griffin-cpu/checkpoints/best", "out-dir": "from-hf"}
-    tour = []
-    for _, argv in [d for d in DOCUMENTED if d[0].startswith("README.md")]:
-        joined = " ".join(argv)
-        if any(joined.startswith(k) for k in NOT_RUN):
+def tour(*docs: str) -> list[list[str]]:
+    """The commands of ``docs`` in their order, placeholders filled in and tiny sizes appended (a command that names
+    its own --data keeps it)."""
+    commands = []
+    for _, argv in [d for doc in docs for d in DOCUMENTED if d[0].split(":")[0] == doc]:
+        if any(" ".join(argv).startswith(k) for k in NOT_RUN) or "--help" in argv:
             continue
-        argv = [placeholders.get(a, a) for a in argv]
+        argv = [PLACEHOLDERS.get(a, a) for a in argv]
         key = next((k for k in AT_TINY_SIZES if " ".join(argv).startswith(k)), None)
-        tour.append(argv + AT_TINY_SIZES.get(key, []))
-    return tour
+        extra = list(AT_TINY_SIZES.get(key, []))
+        if "--data" in argv and "--data" in extra:
+            del extra[extra.index("--data"):extra.index("--data") + 2]
+        commands.append(argv + extra)
+    return commands
 
 
-def test_the_readme_tour_runs_as_written(readme_tour, capsys):
-    """The README's commands, in its order, at tiny sizes (a few flags appended, listed in AT_TINY_SIZES)."""
-    tour = readme_tour_commands()
-    assert tour[0][0] == "train" and any(a[:2] == ["eval", "phonebook"] for a in tour)
-    for argv in tour:
-        if argv[:1] == ["convert"] and argv[-2:] == ["--to", "hf"]:
-            status = main(argv)
-            assert status == 0, (argv, capsys.readouterr().err)
-            assert main(["convert", argv[2], "from-hf"]) == 0  # the README's `griffin convert path/to/hf-dir out-dir`
-            continue
+def run_tour(commands: list[list[str]], capsys) -> None:
+    for argv in commands:
         status = main(argv)
         assert status == 0, (argv, capsys.readouterr().err)
+        if argv[:1] == ["convert"] and argv[-2:] == ["--to", "hf"]:  # the README's `convert path/to/hf-dir out-dir`
+            assert main(["convert", argv[2], "from-hf"]) == 0, capsys.readouterr().err
+
+
+def test_the_readme_tour_runs_as_written(tour_dir, capsys):
+    """The README's commands, in its order, at tiny sizes (a few flags appended, listed in AT_TINY_SIZES)."""
+    commands = tour("README.md")
+    assert commands[0][0] == "train" and any(a[:2] == ["eval", "phonebook"] for a in commands)
+    run_tour(commands, capsys)
     assert Path("book.state").is_file() and Path("int8-model/config.json").is_file()
+    assert Path("from-hf/config.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_training_and_evaluation_docs_run_as_written(tour_dir, capsys):
+    """docs/training.md (demo, configs, bigger model, resume, requeued job, tokenizer, prepare of text, JSONL and
+    parquet, training on it), then docs/evaluation.md's loss and phonebook commands on those runs."""
+    commands = tour("training.md", "evaluation.md")
+    assert sum(a[0] == "train" for a in commands) >= 5 and any(a[:2] == ["eval", "phonebook"] for a in commands)
+    run_tour(commands, capsys)
+    assert Path("tok/tokenizer.json").is_file() and Path("data/mine/meta.json").is_file()
+    assert (Path("runs/job/checkpoints/best/config.json")).is_file()
