@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"griffin {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("--verbose", action="store_true",
-                        help="show compiler warnings of griffin's kernels and other diagnostics")
+                        help="show the compiler (numba) warnings of griffin's kernels, hidden by default")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("presets", help="list the model presets with their parameter counts")
