@@ -141,7 +141,7 @@ def files(model, tmp_path):
     (["train", "--config", "{d}/model.toml"], "embed_scale='false' must be true or false"),
     (["train", "--config", "{d}/missing.toml"], "no training config at {d}/missing.toml"),
     (["train", "--config", "{d}/m/model.safetensors"], "model.safetensors: not"),
-    (["convert", "{d}/m", "{d}/file"], "{d}/file: File exists"),
+    (["convert", "{d}/m", "{d}/file"], "{d}/file already exists: pass --overwrite to replace it"),
     (["convert", "{d}/m", "{d}/out", "--window", "4"], "--window applies to official checkpoints only, not to {d}/m"),
     (["convert", "{d}/m", "{d}/out", "--to", "official", "--window", "0"], "--window 0 must be a positive"),
     (["generate", "{d}/m", "--tokenizer", "{d}/garbage.json", "--prompt", "x"], "garbage.json is not a tokenizer"),
