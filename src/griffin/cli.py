@@ -96,6 +96,36 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    import shutil
+
+    from griffin.data.tokenizer import tokenizer_file
+    from griffin.interop import DTYPES, adapter_base, export_hf, load_pretrained, save_pretrained
+    from griffin.io import check_new_output
+
+    base = args.base or adapter_base(args.adapter)
+    if not base:
+        raise ValueError(f"{args.adapter} does not name its base model: pass --base CHECKPOINT")
+    check_new_output(args.dst, args.overwrite)
+    model = load_pretrained(base, dtype=DTYPES[args.dtype] if args.dtype else None, adapter=args.adapter)
+    out = Path(args.dst)
+    if args.to == "hf":
+        export_hf(model, out, overwrite=True)
+    else:
+        save_pretrained(model, out)
+    copied = []
+    for source in (Path(args.adapter), Path(base) if Path(base).is_dir() else Path(base).parent):
+        found = tokenizer_file(source)  # the tokenizer and chat template beside the adapter, else the base's
+        if found is not None and not copied:
+            for name in (found.name, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, out / name)
+                    copied.append(name)
+    print(f"wrote {args.to} checkpoint {out}: {base} with the adapter {args.adapter} merged"
+          + (f" (and {', '.join(copied)})" if copied else ""))
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from griffin.interop import DTYPES, quantize_checkpoint
 
@@ -182,7 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = _read_prompts(args)
     loaded = load_for_use(args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, quantize=args.quantize,
-                          group_size=args.group_size, device=args.device)
+                          group_size=args.group_size, device=args.device, adapter=args.adapter)
     model, tokenizer = loaded.model, loaded.tokenizer
     rows = encode_prompts(tokenizer, prompts, bos=not args.no_bos and not args.load_state)
     logits, cache = prefill_with_state(model, rows, args.max_new_tokens, load_state=args.load_state,
@@ -225,9 +255,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if f.name != "model" and getattr(args, f.name, None) is not None}
-    flags["model"] = dict(parse_model_override(item) for item in args.model or [])
+    flags["model"] = dict(parse_model_override(item) for item in getattr(args, "model", None) or [])
     source = args.config or "the command line"
     given = merge_settings(read_toml(args.config), flags) if args.config else flags
+    if args.command == "finetune":  # griffin train from the checkpoint, with fine-tuning's defaults
+        from griffin.training.trainer import resume_checkpoint
+
+        given = {"out": FINETUNE_DEFAULTS["out"], **given, "init": args.checkpoint}
+        given.pop("model")
+        if not (given.get("resume") and resume_checkpoint(given["out"], given["resume"])):  # else the run's own
+            given = {**finetune_defaults(given), **given}
+            if not given.get("data"):
+                raise ValueError("give the examples to fine-tune on: --data FILE.jsonl (chats, prompt/completion "
+                                 "pairs or texts; docs/finetuning.md), or a dataset from `griffin prepare`")
     cfg = resumed_config(given) if given.get("resume") else TrainConfig.from_dict(given, source=source)
     args.interrupt_hint = lambda: _resume_hint(cfg.out)
     # SIGTERM (SLURM's or Kubernetes' notice before preemption): stop at the next step with its checkpoint written
@@ -244,6 +284,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.sample:
         print(f"sample:\n{_printable(result.sample, final=True)}")
     return 0
+
+
+#: ``griffin finetune``'s defaults where they differ from ``griffin train``'s: LoRA of rank 16 at a learning rate of
+#: 2e-4 (2e-5 for a full fine-tune, ``--lora-rank 0``), no weight decay, short warm-up, frequent evaluations.
+FINETUNE_DEFAULTS = {"lora_rank": 16, "lr": 2e-4, "warmup_steps": 10, "max_steps": 200, "weight_decay": 0.0,
+                     "val_fraction": 0.05, "seq_len": 512, "batch_size": 8, "eval_interval": 25, "ckpt_interval": 50,
+                     "log_interval": 5, "out": "runs/finetune"}
+
+
+def finetune_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """The defaults of ``griffin finetune`` for the settings ``given``."""
+    defaults = dict(FINETUNE_DEFAULTS)
+    if given.get("lora_rank") == 0:
+        defaults["lr"] = 2e-5
+    return defaults
 
 
 def resumed_config(given: dict[str, Any]):
@@ -294,18 +349,24 @@ def _default_note(value: Any) -> str:
     return f" (default: {value})" if value != "" else ""
 
 
-def _add_train_options(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, its help taken from the field; unset flags leave the config file's value."""
+def _add_train_options(p: argparse.ArgumentParser, changed: dict[str, Any] | None = None,
+                       skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field (but ``skip``), its help taken from the field, its default from ``changed`` or
+    the field's; unset flags leave the config file's value."""
     import dataclasses
 
     from griffin.training import TrainConfig
     from griffin.training.config import field_types
 
     defaults = TrainConfig()
+    for key, value in (changed or {}).items():
+        setattr(defaults, key, value)
     hints = field_types()
     p.add_argument("--config", metavar="TOML", help="a training config file (see configs/); flags override it; "
                    "with --resume, the run's saved settings replace it and what it sets must agree with them")
     for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"]
         if f.name == "model":
@@ -474,6 +535,10 @@ EXAMPLES = {
     "convert": "  griffin convert runs/griffin-cpu/checkpoints/best hf-model --to hf\n"
                "  griffin convert 2b.pt recurrentgemma-2b            an official checkpoint to griffin's format\n",
     "quantize": "  griffin quantize runs/griffin-cpu/checkpoints/best int8-model --int8\n",
+    "finetune": "  griffin finetune recurrentgemma-2b-it --data chats.jsonl --out runs/ft          LoRA, rank 16\n"
+                "  griffin finetune runs/base/checkpoints/best --data pairs.jsonl --lora-rank 0 --out runs/full\n"
+                "  griffin finetune CKPT --data chats.jsonl --out runs/ft --resume             continue it\n",
+    "merge": "  griffin merge runs/ft/checkpoints/best merged --to hf\n",
     "info": "  griffin info griffin-1.3b\n  griffin info runs/griffin-cpu/checkpoints/best\n",
     "tokenizer": "  griffin tokenizer corpus/ --vocab-size 8192 --out tok     writes tok/tokenizer.json\n",
     "serve": "  griffin serve runs/griffin-cpu/checkpoints/best --port 8000\n",
@@ -511,6 +576,15 @@ def build_parser() -> argparse.ArgumentParser:
     _overwrite_option(p)
     p.set_defaults(func=cmd_convert)
 
+    p = sub.add_parser("merge", help="merge a LoRA adapter into its base model's weights and write the checkpoint")
+    p.add_argument("adapter", help="a LoRA adapter directory (PEFT's format: `griffin finetune`'s checkpoints)")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--base", help="the base checkpoint (default: the one the adapter names)")
+    p.add_argument("--to", choices=("griffin", "hf"), default="griffin", help="output format")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as stored)")
+    _overwrite_option(p)
+    p.set_defaults(func=cmd_merge)
+
     p = sub.add_parser("quantize", help="write a checkpoint with weight-only int8 weights (half the bytes of "
                        "bfloat16; CPU decode speed and quality: docs/performance.md)")
     p.add_argument("src", help="a float checkpoint (griffin, HF RecurrentGemma or official)")
@@ -529,7 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
-    p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
+    p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint (or a LoRA adapter "
+                   "directory: its base model with it)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT's format, "
+                   "`griffin finetune`) merged into the checkpoint's weights")
     p.add_argument("--tokenizer", default="auto",
                    help="'bytes' (byte-level), a tokenizer.json, a SentencePiece .model, or a directory holding one; "
                         "'auto': the tokenizer stored beside the checkpoint (in its directory, or beside a .pt file), "
@@ -566,6 +643,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train Hawk, Griffin or the MQA baseline. Every option below is also a key of "
                        "the TOML config file (--config); flags override the file, the file overrides the defaults.")
     _add_train_options(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("finetune", help="fine-tune a checkpoint on chats, prompt/completion pairs or texts (JSONL), "
+                       "with LoRA or all weights (docs/finetuning.md)",
+                       description="Fine-tune a griffin, HF RecurrentGemma or official checkpoint: `griffin train "
+                       "--init CHECKPOINT` with fine-tuning's defaults (LoRA of rank 16; --lora-rank 0 trains every "
+                       "weight, at lr 2e-5 unless given). The loss falls on the replies; examples are packed whole, "
+                       "each starting a document. Checkpoints hold the adapters in PEFT's format.")
+    p.add_argument("checkpoint", help="the model to start from: a griffin, HF RecurrentGemma or official checkpoint "
+                   "(its tokenizer and chat template are found beside it)")
+    _add_train_options(p, FINETUNE_DEFAULTS, skip=("init", "preset", "model"))
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("prepare", help="tokenize text, JSONL or parquet files into memory-mapped shards")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from griffin.data.tokenizer import AUTO, Tokenizer, load_tokenizer
-from griffin.interop import load_pretrained, resolve_dtype
+from griffin.data.tokenizer import AUTO, Tokenizer, load_tokenizer, tokenizer_file
+from griffin.interop import is_adapter, load_pretrained, resolve_dtype
+from griffin.interop.adapters import adapter_base
 from griffin.model import CausalLM
 from griffin.ops.matvec import check_group_size
 from griffin.quantize import METHODS, quantization_of, quantize_int8
@@ -31,7 +32,7 @@ class Loaded:
 
 def load_for_use(path: str | Path, *, tokenizer: str | Path | Tokenizer | None = AUTO,
                  dtype: str | torch.dtype | None = None, quantize: str | None = None, group_size: int = 0,
-                 device: str | torch.device = "cpu") -> Loaded:
+                 device: str | torch.device = "cpu", adapter: str | Path | None = None) -> Loaded:
     """Load a checkpoint to run it: any format :func:`griffin.load_pretrained` reads (griffin directory, HF
     RecurrentGemma directory, official ``.pt``), with its tokenizer, in ``dtype``, quantised, on ``device``.
 
@@ -47,6 +48,10 @@ def load_for_use(path: str | Path, *, tokenizer: str | Path | Tokenizer | None =
       checkpoint already in int8 (``griffin quantize``) is used as it is. Int8 weights decode with the CPU kernel
       only, so int8 on another device is refused, before loading where the options alone say so.
     - ``device``: where the model goes.
+    - ``adapter``: a LoRA adapter directory (PEFT's format, ``griffin finetune``), merged into the weights before
+      they are cast and quantised, so that decoding runs at a plain model's speed. A LoRA adapter directory as
+      ``path`` loads the base model it names with it; the tokenizer is then the one beside the adapter if any, else
+      the base's.
 
     Every option is checked before the checkpoint is read; each bad value is one ``ValueError`` (a missing
     checkpoint or tokenizer file: ``FileNotFoundError``) that names it.
@@ -68,10 +73,15 @@ def load_for_use(path: str | Path, *, tokenizer: str | Path | Tokenizer | None =
                          "load them on the CPU, or the float model on this device")
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if adapter is not None and not Path(adapter).exists():
+        raise FileNotFoundError(f"no adapter at {adapter}")
     tok = None
     if tokenizer is not None:
-        tok = load_tokenizer(tokenizer, beside=path) if isinstance(tokenizer, (str, Path)) else tokenizer
-    model = load_pretrained(path, dtype=dtype)
+        beside = path
+        if is_adapter(path) and tokenizer == AUTO and tokenizer_file(path) is None:
+            beside = Path(adapter_base(path) or path)  # a LoRA adapter without a tokenizer: its base's
+        tok = load_tokenizer(tokenizer, beside=beside) if isinstance(tokenizer, (str, Path)) else tokenizer
+    model = load_pretrained(path, dtype=dtype, adapter=adapter)
     if tok is not None and tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the checkpoint's vocabulary only "
                          f"{model.config.vocab_size}: pass the tokenizer the model was trained with")

@@ -20,7 +20,7 @@ import torch
 
 from griffin import generate
 from griffin.interop import save_pretrained
-from griffin.serve.chat import ChatTemplate
+from griffin.data.chat import ChatTemplate
 from griffin.serve.text import clean
 from tests.serve.conftest import free_port, start_server, tiny_model
 

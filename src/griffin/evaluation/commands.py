@@ -123,7 +123,7 @@ def cmd_harness(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = evaluate_tasks(args.checkpoint, tasks, args.task_data, num_fewshot=args.num_fewshot,
                              limit=args.limit, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                             batch_size=args.batch_size)
+                             batch_size=args.batch_size, adapter=args.adapter)
     seconds = time.perf_counter() - start
     from lm_eval.utils import make_table
 
@@ -210,7 +210,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_loss)
 
     q = ev.add_parser("harness", help="lm-evaluation-harness tasks, offline (the paper's six, phonebook)")
-    q.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
+    q.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint (or a LoRA adapter "
+                   "directory: its base model with it)")
+    q.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT's format, "
+                   "`griffin finetune`) merged into the checkpoint's weights")
     _model_options(q, several=False)
     q.add_argument("--tasks", required=True,
                    help="comma-separated: paper, mmlu, hellaswag, piqa, winogrande, arc_easy, arc_challenge, "

@@ -65,13 +65,13 @@ class GriffinLM(TemplateLM):
                  tokenizer: str | Tokenizer = "auto", dtype: str | None = None, batch_size: int | str = 16,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  chunk_size: int = 1024, max_gen_toks: int = 256, add_bos_token: bool | None = None,
-                 prefix_token_id: int | None = None, **unused: Any) -> None:
+                 prefix_token_id: int | None = None, adapter: str | None = None, **unused: Any) -> None:
         super().__init__()
         known_extras = {"trust_remote_code", "parallelize", "revision"}  # harness-wide options with no meaning here
         unknown = sorted(set(unused) - known_extras)
         if unknown:
-            raise ValueError(f"unknown griffin model_args {unknown}: use pretrained, tokenizer, dtype, batch_size, "
-                             "device, max_length, chunk_size, max_gen_toks, add_bos_token, prefix_token_id")
+            raise ValueError(f"unknown griffin model_args {unknown}: use pretrained, adapter, tokenizer, dtype, "
+                             "batch_size, device, max_length, chunk_size, max_gen_toks, add_bos_token, prefix_token_id")
         device = device or "cpu"
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm_eval's command line passes --device cuda by default; the hf model falls back the same way
@@ -80,7 +80,7 @@ class GriffinLM(TemplateLM):
         if model is None:
             if pretrained is None:
                 raise ValueError("the griffin model needs pretrained=CHECKPOINT (or model= in Python)")
-            loaded = load_for_use(pretrained, tokenizer=tokenizer, dtype=dtype, device=device)
+            loaded = load_for_use(pretrained, tokenizer=tokenizer, dtype=dtype, device=device, adapter=adapter or None)
             model, tok = loaded.model, loaded.tokenizer
         else:
             tok = load_tokenizer("bytes" if tokenizer == "auto" else tokenizer) if isinstance(tokenizer, str) \

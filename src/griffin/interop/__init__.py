@@ -2,6 +2,8 @@
 
 griffin format: a directory with ``config.json`` (a :class:`ModelConfig`) and ``model.safetensors``.
 HF format: ``config.json`` with ``model_type: recurrent_gemma`` and one or more ``*.safetensors`` files.
+LoRA adapters (:mod:`griffin.interop.adapters`): a directory with PEFT's ``adapter_config.json`` and
+``adapter_model.safetensors`` loads as its base model (the checkpoint it names) with the adapter merged in.
 Official format: a PyTorch state dict of ``recurrentgemma.torch.Griffin`` saved with ``torch.save``; it is read
 with ``torch.load(weights_only=True)`` (never unpickling arbitrary objects) and its config is inferred from shapes.
 
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from griffin.interop.adapters import AdapterError, adapter_base, is_adapter, merge_adapter
 from griffin.interop.hf import export_hf, hf_config_to_griffin, load_hf
 from griffin.interop.native import (
     CONFIG_NAME,
@@ -37,10 +40,12 @@ from griffin.quantize import quantization_of, quantize_int8
 
 
 def detect_format(path: str | Path) -> str:
-    """``griffin``, ``hf`` or ``official`` for a checkpoint path."""
+    """``griffin``, ``hf``, ``official`` or ``adapter`` for a checkpoint path."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if is_adapter(path):
+        return "adapter"
     if path.is_file():
         if path.suffix in (".pt", ".pth", ".ckpt", ".bin"):
             return "official"
@@ -61,8 +66,11 @@ def detect_format(path: str | Path) -> str:
     raise CheckpointError(f"{path} has no {CONFIG_NAME} and not exactly one .pt/.pth/.ckpt file")
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, **overrides: Any) -> CausalLM:
-    """Load a griffin, HF RecurrentGemma or official recurrentgemma checkpoint (format detected).
+def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, *, adapter: str | Path | None = None,
+                    **overrides: Any) -> CausalLM:
+    """Load a griffin, HF RecurrentGemma or official recurrentgemma checkpoint (format detected); with ``adapter``
+    (a LoRA adapter directory, :mod:`griffin.interop.adapters`) merged into its weights. A LoRA adapter directory as
+    ``path`` loads the base model it names (``base_model_name_or_path``) with the adapter merged.
 
     ``overrides`` apply to official checkpoints only (``attention_window_size``, ``logits_soft_cap``,
     ``embed_scale``), whose config is not stored with the weights.
@@ -72,6 +80,18 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, **
     fmt = detect_format(path)
     if overrides and fmt != "official":
         raise TypeError(f"options {sorted(overrides)} only apply to official checkpoints, not {fmt}")
+    if adapter is not None:
+        if fmt == "adapter":
+            raise ValueError(f"{path} is itself a LoRA adapter: give its base model, then the adapter")
+        model = load_pretrained(path, dtype, **overrides)
+        merge_adapter(model, adapter)
+        return model
+    if fmt == "adapter":
+        base = adapter_base(path)
+        if not base or not Path(base).exists():
+            raise CheckpointError(f"{path} is a LoRA adapter whose base model {base or '(not named)'} is not here: "
+                                  "name the base checkpoint and pass this directory as its adapter (--adapter)")
+        return load_pretrained(base, dtype, adapter=path)
     if fmt == "griffin":
         return load_griffin(path, dtype)
     if fmt == "hf":
@@ -102,6 +122,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 0,
     return model
 
 
-__all__ = ["CONFIG_NAME", "DTYPES", "WEIGHTS_NAME", "CheckpointError", "detect_format", "export_hf",
-           "hf_config_to_griffin", "load_pretrained", "load_state_checked", "official_config_from_state",
-           "quantize_checkpoint", "resolve_dtype", "save_official", "save_pretrained", "to_official_state"]
+__all__ = ["CONFIG_NAME", "DTYPES", "WEIGHTS_NAME", "AdapterError", "CheckpointError", "adapter_base",
+           "detect_format", "export_hf", "hf_config_to_griffin", "is_adapter", "load_pretrained",
+           "load_state_checked", "merge_adapter", "official_config_from_state", "quantize_checkpoint", "resolve_dtype",
+           "save_official", "save_pretrained", "to_official_state"]

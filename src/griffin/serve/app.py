@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from griffin.data.chat import ChatTemplate
 from griffin.data.tokenizer import Tokenizer
-from griffin.serve.chat import ChatTemplate
 from griffin.serve.engine import (
     ChoiceOutput,
     Engine,

@@ -17,6 +17,7 @@ class ServeConfig:
     """Every option of ``griffin serve`` (see :func:`add_serve_arguments` for their meaning)."""
 
     checkpoint: str
+    adapter: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer: str = "auto"
@@ -44,7 +45,10 @@ class ServeConfig:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The ``griffin serve`` flags, one per :class:`ServeConfig` field."""
     d = ServeConfig("")
-    p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint")
+    p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint (or a LoRA adapter "
+                   "directory: its base model with it)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT's format, "
+                   "`griffin finetune`) merged into the checkpoint's weights")
     p.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=d.port, help="port")
     p.add_argument("--tokenizer", default=d.tokenizer,

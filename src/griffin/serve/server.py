@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from griffin.data.chat import ChatTemplate, find_chat_template
 from griffin.loading import load_for_use
 from griffin.serve.app import Server, build_app
-from griffin.serve.chat import ChatTemplate, find_chat_template
 from griffin.serve.engine import Engine
 from griffin.serve.options import ServeConfig
 
@@ -24,7 +24,7 @@ def build_server(cfg: ServeConfig) -> Server:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     loaded = load_for_use(cfg.checkpoint, tokenizer=cfg.tokenizer, dtype=cfg.dtype, quantize=cfg.quantize,
-                          group_size=cfg.group_size, device=cfg.device)
+                          group_size=cfg.group_size, device=cfg.device, adapter=cfg.adapter)
     model, tokenizer = loaded.model, loaded.tokenizer
     max_length = cfg.max_length
     if "attention" in model.config.block_types and max_length is None:

@@ -2,7 +2,9 @@
 
 A checkpoint is a directory ``OUT/checkpoints/step_00000100`` holding
 
-- ``config.json`` + ``model.safetensors``: the model, loadable on its own with ``CausalLM.from_pretrained``;
+- ``config.json`` + ``model.safetensors``: the model, loadable on its own with ``CausalLM.from_pretrained``; a LoRA
+  fine-tune writes ``adapter_config.json`` + ``adapter_model.safetensors`` instead (PEFT's format, on the base model
+  named in them: :mod:`griffin.interop.adapters`) beside the base's ``config.json``;
 - ``optimizer.safetensors``: AdamW's moments and step counts, and the RNG states (no pickle anywhere);
 - ``trainer.json``: step, data-loader position, best validation loss, optimizer hyper-parameters, config;
 - ``tokenizer.json`` or ``tokenizer.model`` when the data has one, so that ``griffin generate CKPT`` finds it;
@@ -20,6 +22,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +83,11 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
 
 # Writing ------------------------------------------------------------------------------------------------
 def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], extra_files: dict[str, Path] | None = None) -> Path:
+                    trainer_state: dict[str, Any], extra_files: dict[str, Path] | None = None,
+                    write_model: Callable[[CausalLM, Path], None] = save_pretrained) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically and point ``root/latest`` at it; ``extra_files`` maps
-    names in the checkpoint to files copied in (the tokenizer)."""
+    names in the checkpoint to files copied in (the tokenizer); ``write_model`` writes the model into the directory
+    (a LoRA run writes its adapters only: :mod:`griffin.finetune`)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
@@ -91,7 +96,7 @@ def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: tor
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_pretrained(model, tmp)
+        write_model(model, tmp)
         tensors, groups = _optimizer_tensors(optimizer)
         write_safetensors(tmp / OPTIMIZER_STATE, {**tensors, **_rng_tensors()}, {"library": "griffin"})
         state = {**trainer_state, "step": step, "optimizer_param_groups": groups}
@@ -190,20 +195,29 @@ def find_resumable(root: str | Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Verify ``path``, load model, optimizer and RNG states in place, and return the trainer state."""
+def _read_weights(path: Path, model: CausalLM) -> None:
     from griffin.interop import WEIGHTS_NAME, load_state_checked
 
+    try:
+        weights = load_file(str(path / WEIGHTS_NAME))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: unreadable: {err}") from None
+    with torch.no_grad():
+        load_state_checked(model, weights, str(path / WEIGHTS_NAME))
+
+
+def load_checkpoint(path: str | Path, model: CausalLM, optimizer: torch.optim.Optimizer,
+                    read_model: Callable[[Path, CausalLM], None] = _read_weights) -> dict[str, Any]:
+    """Verify ``path``, load model (``read_model``: from the checkpoint directory), optimizer and RNG states in
+    place, and return the trainer state."""
     path = Path(path)
     verify_checkpoint(path)
     try:
-        weights = load_file(str(path / WEIGHTS_NAME))
         opt = load_file(str(path / OPTIMIZER_STATE))
         state = json.loads((path / TRAINER_STATE).read_text())
     except (SafetensorError, json.JSONDecodeError, OSError) as err:
         raise CheckpointError(f"{path}: unreadable: {err}") from None
-    with torch.no_grad():
-        load_state_checked(model, weights, str(path / WEIGHTS_NAME))
+    read_model(path, model)
     _restore_optimizer(optimizer, opt, state.pop("optimizer_param_groups"), str(path))
     torch.set_rng_state(opt["rng.torch"])
     cuda = [opt[k] for k in sorted(k for k in opt if k.startswith("rng.cuda."))]

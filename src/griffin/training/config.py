@@ -29,6 +29,7 @@ import torch
 
 from griffin.config import PRESETS, ModelConfig
 from griffin.data import VAL_FRACTION
+from griffin.data.examples import LOSS_ON
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,9 +50,30 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "ModelConfig fields overriding the preset, e.g. width=256 depth=8 (TOML: a [model] table); "
                 "vocab_size defaults to the data's tokenizer"})
+    init: str = _opt("", "fine-tune: start from this checkpoint (griffin, HF RecurrentGemma or official .pt), with "
+                         "its config and tokenizer, instead of a new model (preset and --model do not apply)")
+    # Fine-tuning (docs/finetuning.md)
+    lora_rank: int = _opt(0, "with --init: train LoRA adapters of this rank on the frozen model (0: train every "
+                             "weight)")
+    lora_alpha: float = _opt(16.0, "LoRA alpha: the adapters' update is scaled by alpha / rank")
+    lora_dropout: float = _opt(0.0, "dropout on the LoRA adapters' input")
+    lora_targets: str = _opt("all", "projections that get LoRA adapters: all, attention, mlp, recurrent, or names "
+                                    "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, linear_x, "
+                                    "linear_y, linear_out), comma-separated; the RG-LRU gates get none")
+    base_dtype: str = _opt("float32", "with LoRA: dtype of the frozen model (bfloat16 halves its memory; the "
+                                      "adapters stay float32)", choices=("float32", "bfloat16"))
+    loss_on: str = _opt("response", "examples (JSONL chats, prompt/completion pairs): the loss on the replies only "
+                                    "('response') or on every token ('all')", choices=LOSS_ON)
+    chat_template: str = _opt("auto", "how chats are rendered: 'auto' (the --init checkpoint's template, from its "
+                                      "tokenizer_config.json or chat_template.jinja), 'plain' (griffin's <|role|> "
+                                      "template) or a .jinja file")
+    truncate: bool = _opt(False, "cut examples longer than seq_len (and count them) instead of refusing them")
+    eval_examples: int = _opt(32, "examples: held-out replies generated greedily at each evaluation, scored by exact "
+                                  "match (0: none)")
     # Data
     data: str = _opt("", "a dataset prepared by `griffin prepare`, or text/JSONL/parquet files or directories to "
-                         "prepare into OUT/data; empty: the embedded corpus (the Python standard library's source)")
+                         "prepare into OUT/data; JSONL chats or prompt/completion pairs (any JSONL with --init) are "
+                         "examples, packed whole; empty: the embedded corpus (the Python standard library's source)")
     tokenizer: str = _opt("bytes", "tokenizer used when the data must be prepared: 'bytes', a tokenizer.json or a "
                                    "SentencePiece .model")
     val_fraction: float = _opt(VAL_FRACTION, "fraction of documents held out for validation when preparing data")
@@ -131,7 +153,8 @@ class TrainConfig:
         for key in ("tp", "dp_shard"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
-        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens", "loss_chunk", "dp_replicate"):
+        for key in ("warmup_steps", "keep_last", "threads", "sample_tokens", "loss_chunk", "dp_replicate", "lora_rank",
+                    "eval_examples"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         if not self.lr > 0:
@@ -142,6 +165,18 @@ class TrainConfig:
         for key in ("weight_decay", "grad_clip", "adam_eps", "sample_temperature"):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
+        if self.lora_rank and not self.init:
+            raise ValueError(f"lora_rank={self.lora_rank}: LoRA adapts a pretrained model; give it with --init")
+        if self.init and self.model:
+            raise ValueError(f"--model {', '.join(sorted(self.model))}: a fine-tune (--init) keeps the checkpoint's "
+                             "model config")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha} must be positive")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout} must lie in [0, 1)")
+        if self.chat_template not in ("auto", "plain") and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template={self.chat_template!r}: no such file (use 'auto', 'plain' or a .jinja "
+                             "file)")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={self.val_fraction} must lie in (0, 1)")
         if self.device != "auto":
@@ -228,7 +263,8 @@ class TrainConfig:
 #: may change (``max_steps`` to train on, the device and layout, intervals, sampling); ``batch_size`` is checked by
 #: the trainer as the global batch, which may be split over another number of data-parallel ranks.
 RUN_KEYS = ("preset", "model", "data", "tokenizer", "val_fraction", "seq_len", "grad_accum", "lr", "min_lr_ratio",
-            "warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "seed")
+            "warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "seed", "init", "lora_rank",
+            "lora_alpha", "lora_dropout", "lora_targets", "loss_on", "chat_template", "truncate")
 
 
 #: Settings of the machine a run happens to use, not of the run: a resumed run takes them from its own flags (or the

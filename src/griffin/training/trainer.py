@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import signal
@@ -26,8 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from griffin.data.examples import ExampleLoader, ExampleSplit, example_eval_batches, examples_unigram_loss, is_examples
+from griffin.data.tokenizer import load_tokenizer
+from griffin.finetune.lora import read_lora, write_lora
 from griffin.inference import generate
-from griffin.interop import CheckpointError
+from griffin.interop import DTYPES, CheckpointError, save_pretrained
+from griffin.interop.adapters import LoraSettings
 from griffin.io import atomic_write
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
@@ -187,12 +192,56 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return low + 0.5 * (cfg.lr - low) * (1.0 + math.cos(math.pi * progress))
 
 
+def run_tokenizer(cfg: TrainConfig) -> str:
+    """The tokenizer the run's data is prepared with: ``cfg.tokenizer``, except that a fine-tune (``--init``) left at
+    the default takes the checkpoint's own (beside it, as ``griffin generate`` finds it), if it has one."""
+    from griffin.data.tokenizer import tokenizer_file
+
+    if cfg.init and cfg.tokenizer == "bytes":
+        init = Path(cfg.init)
+        found = tokenizer_file(init if init.is_dir() else init.parent)
+        return str(found) if found is not None else "bytes"
+    return cfg.tokenizer
+
+
+def chat_template(cfg: TrainConfig) -> str | None:
+    """The chat template of the run's chats: the Jinja source, ``"plain"``, or None (none found: chats are refused)."""
+    from griffin.data.chat import find_chat_template
+
+    if cfg.chat_template == "plain":
+        return "plain"
+    if cfg.chat_template != "auto":
+        return Path(cfg.chat_template).read_text(encoding="utf-8")
+    tokenizer = run_tokenizer(cfg)
+    return find_chat_template(cfg.init or None, None if tokenizer == "bytes" else tokenizer)
+
+
+def example_files(cfg: TrainConfig) -> list[Path] | None:
+    """The JSON-lines files of fine-tuning examples ``cfg.data`` names (:mod:`griffin.data.examples`), or None when
+    it names text to pretrain on: JSONL files are examples in a fine-tune (``--init``), or when their first record
+    is a chat or a prompt/completion pair."""
+    from griffin.data.examples import read_records
+
+    if not cfg.data:
+        return None
+    paths = [Path(p) for p in cfg.data.split(",")]
+    if not all(p.is_file() and p.suffix in (".jsonl", ".json") and p.name != "meta.json" for p in paths):
+        return None
+    if cfg.init:
+        return paths
+    for _, record in read_records(paths[0]):
+        return paths if "messages" in record or "prompt" in record else None
+    return None
+
+
 def prepare_data(cfg: TrainConfig, out: Path) -> Path:
     """The prepared dataset to train on: ``cfg.data`` itself if it is one, else prepared into ``OUT/data`` (and
-    reused from there while the sources, tokenizer, split fraction and seed are unchanged)."""
+    reused from there while the sources, tokenizer, split fraction and seed, and for examples their settings, are
+    unchanged)."""
     import sysconfig
 
     from griffin.data import load_meta, prepare
+    from griffin.data.examples import is_examples, prepare_examples
 
     if cfg.data and (Path(cfg.data) / "meta.json").is_file():
         return Path(cfg.data)
@@ -203,16 +252,43 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
         if not Path(source).exists():
             raise FileNotFoundError(f"data={source!r} does not exist")
     target = out / "data"
-    tokenizer = "bytes" if cfg.tokenizer == "bytes" else Path(cfg.tokenizer).name
-    if (target / "meta.json").is_file():
+    tokenizer_spec = run_tokenizer(cfg)
+    tokenizer = "bytes" if tokenizer_spec == "bytes" else Path(tokenizer_spec).name
+    examples = example_files(cfg)
+    if examples is not None:
+        template = chat_template(cfg)
+        wanted = {"sources": sources, "seed": cfg.seed, "val_fraction": cfg.val_fraction, "seq_len": cfg.seq_len,
+                  "loss_on": cfg.loss_on, "truncate": cfg.truncate,
+                  "template": "none" if template is None else "plain" if template == "plain" else "jinja",
+                  "template_source": None if template in (None, "plain") else template}
+        if is_examples(target):
+            meta = load_meta_any(target)
+            same_tokenizer = meta["tokenizer"] in (tokenizer, "tokenizer" + Path(tokenizer).suffix)
+            if same_tokenizer and all(meta.get(k) == v for k, v in wanted.items()):
+                return target
+        meta = prepare_examples(examples, target, tokenizer_spec, template, seq_len=cfg.seq_len, loss_on=cfg.loss_on,
+                                truncate=cfg.truncate, val_fraction=cfg.val_fraction, seed=cfg.seed, overwrite=True)
+        if meta["truncated"] or meta["dropped"]:
+            print(f"griffin train: {meta['truncated']} examples longer than seq_len {cfg.seq_len} were cut"
+                  + (f", {meta['dropped']} left with no reply dropped" if meta["dropped"] else ""), flush=True)
+        return target
+    if (target / "meta.json").is_file() and not is_examples(target):
         meta = load_meta(target)
         wanted = sources or [sysconfig.get_paths()["stdlib"]]
         if (meta["sources"], meta["tokenizer"], meta["val_fraction"], meta["seed"]) == \
                 (wanted, tokenizer, cfg.val_fraction, cfg.seed):
             return target
-    prepare(sources, target, cfg.tokenizer, val_fraction=cfg.val_fraction, seed=cfg.seed, progress=cfg.progress,
+    prepare(sources, target, tokenizer_spec, val_fraction=cfg.val_fraction, seed=cfg.seed, progress=cfg.progress,
             overwrite=True)  # OUT/data is the run's own: prepared again when its settings changed
     return target
+
+
+def load_meta_any(data_dir: Path) -> dict[str, Any]:
+    """The meta of a prepared dataset of either kind (a token stream, or examples)."""
+    from griffin.data import load_meta
+    from griffin.data.examples import is_examples, load_examples_meta
+
+    return load_examples_meta(data_dir) if is_examples(data_dir) else load_meta(data_dir)
 
 
 class JsonLog:
@@ -256,7 +332,7 @@ class Trainer:
     ``source``, from that :class:`~griffin.training.source.BatchSource` (``cfg.data`` is then unused)."""
 
     def __init__(self, cfg: TrainConfig, source: BatchSource | None = None) -> None:
-        from griffin.data import PackedLoader, eval_batches, load_dataset_tokenizer, load_meta, unigram_loss
+        from griffin.data import PackedLoader, eval_batches, unigram_loss
         from griffin.flops import peak_flops, training_flops_per_token
 
         self.cfg = cfg
@@ -277,6 +353,9 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
 
         self.source = source
+        self.examples = False  # the data: examples (griffin.data.examples) rather than a token stream
+        self.val_examples = None
+        self.eval_sample = ""  # the greedy reply to the first held-out example, at the last evaluation
         self.eval_metrics: dict[str, float] = {}  # the source's metrics of the last evaluation
         if source is not None:
             self._use_source(source)
@@ -286,30 +365,53 @@ class Trainer:
             self.dist.barrier()
             if not self.dist.is_main:
                 self.data_dir = prepare_data(cfg, self.out)
-            self.meta = load_meta(self.data_dir)
-            self.data_line = (f"data {self.data_dir} ({self.meta['splits']['train']['tokens']:,} train tokens, "
+            self.examples = is_examples(self.data_dir)
+            self.meta = load_meta_any(self.data_dir)
+            train_split = self.meta["splits"]["train"]
+            self.data_line = (f"examples {self.data_dir} ({train_split['examples']:,} train examples, "
+                              f"{train_split['targets']:,} target tokens, loss on {self.meta['loss_on']}, vocab "
+                              f"{self.meta['vocab_size']})" if self.examples else
+                              f"data {self.data_dir} ({train_split['tokens']:,} train tokens, "
                               f"vocab {self.meta['vocab_size']})")
-        self.model_config = cfg.model_config(self.meta["vocab_size"])
+        base = self._base_model() if cfg.init else None
+        self.model_config = base.config if base is not None else cfg.model_config(self.meta["vocab_size"])
         if self.model_config.vocab_size < self.meta["vocab_size"]:
             raise ValueError(f"model vocab_size={self.model_config.vocab_size} is smaller than the data's "
-                             f"tokenizer ({self.meta['vocab_size']} tokens)")
+                             f"tokenizer ({self.meta['vocab_size']} tokens)"
+                             + (": prepare the data with the checkpoint's tokenizer" if cfg.init else ""))
         self.layout = self._layout(cfg, source)
+        if cfg.lora_rank and self.layout is not None:
+            raise ValueError("LoRA trains in one process or data-parallel (DistributedDataParallel under torchrun); "
+                             "tp and dp_shard lay out a full fine-tune (--lora-rank 0)")
         if source is None:
             rank, world = self.dist.dp_rank, self.dist.dp_size
-            self.loader = PackedLoader(self.data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed,
-                                       rank=rank, world_size=world)
-            val = eval_batches(self.data_dir, "val", cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+            loader, batches = (ExampleLoader, example_eval_batches) if self.examples else (PackedLoader, eval_batches)
+            self.loader = loader(self.data_dir, "train", cfg.seq_len, cfg.batch_size, seed=cfg.seed,
+                                 rank=rank, world_size=world)
+            val = batches(self.data_dir, "val", cfg.seq_len, cfg.batch_size, cfg.eval_batches)
             self.val_batches = val[rank::world] if self.layout is None else even_share(val, rank, world)
-            self.unigram = unigram_loss(self.data_dir)
+            self.unigram = examples_unigram_loss(self.data_dir) if self.examples else unigram_loss(self.data_dir)
             tok = self.meta["tokenizer"]
             self.tokenizer_file = None if tok == "bytes" else self.data_dir / tok
-            self.tokenizer = load_dataset_tokenizer(self.data_dir)
+            self.tokenizer = load_tokenizer(tok if tok == "bytes" else self.data_dir / tok)
+            self.val_examples = ExampleSplit(self.data_dir, "val") if self.examples else None
 
         torch.manual_seed(cfg.seed)
         if self.layout is not None:  # split and sharded over the mesh (griffin.training.layout)
             self.model = self.layout.build_model(self.model_config, self.device, cfg.seed)
+            if base is not None:  # every rank keeps its shards of the checkpoint's weights
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                set_model_state_dict(self.model, base.state_dict(), options=StateDictOptions(full_state_dict=True))
         else:
-            self.model = CausalLM(self.model_config).to(self.device)
+            self.model = (base if base is not None else CausalLM(self.model_config)).to(self.device)
+        del base
+        if cfg.lora_rank:  # the frozen model in base_dtype, float32 adapters on the projections (griffin.finetune)
+            from griffin.finetune.lora import apply_lora
+
+            self.model.to(DTYPES[cfg.base_dtype])
+            self.lora_modules = apply_lora(self.model, LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout),
+                                           cfg.lora_targets)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg)
         self.ddp = None
@@ -329,7 +431,8 @@ class Trainer:
         self.best_step: int | None = None
         self.skipped = 0
         if resume_from is not None:
-            state = load_any(resume_from, self.model, self.optimizer, self.layout, load_checkpoint,
+            load = functools.partial(load_checkpoint, read_model=read_lora) if cfg.lora_rank else load_checkpoint
+            state = load_any(resume_from, self.model, self.optimizer, self.layout, load,
                              lambda model: build_optimizer(model, cfg))
             self._check_resumable(state, resume_from)
             self.step, self.tokens = state["step"], state["tokens"]
@@ -343,6 +446,23 @@ class Trainer:
         self.log = JsonLog(self.out / "log.jsonl", self.step if resume_from else None) if self.dist.is_main else None
         self.writer = self._tensorboard() if self.dist.is_main else None
         self._bar = None
+
+    def _base_model(self) -> CausalLM:
+        """The ``--init`` checkpoint's model, in float32 on the CPU; for examples, with the Conv1D reset at document
+        starts too (so that no packed example sees the one before it; a single sequence is computed the same)."""
+        from griffin.interop import load_pretrained
+        from griffin.quantize import quantization_of
+
+        base = load_pretrained(self.cfg.init, dtype=torch.float32)
+        if quantization_of(base) is not None:
+            raise ValueError(f"--init {self.cfg.init} holds int8 weights: fine-tune the float checkpoint it was "
+                             "quantised from")
+        if self.examples and not base.config.conv1d_document_reset:
+            with torch.device("meta"):
+                reset = CausalLM(base.config.replace(conv1d_document_reset=True))
+            reset.load_state_dict(base.state_dict(), assign=True)
+            base = reset
+        return base.train()
 
     def _use_source(self, source: BatchSource) -> None:
         """Take batches, held-out metrics and the baseline from ``source`` instead of a prepared dataset."""
@@ -493,9 +613,25 @@ class Trainer:
         for batch in self.val_batches:
             loss, n = self._loss_sum(batch)
             sums += torch.stack([loss.double(), n.double()])
+        if self.examples and self.cfg.eval_examples and self.layout is None and self.dist.is_main:
+            self._score_replies()
         self.model.train()
         total, count = self.dist.sum(sums).tolist()
         return total / max(count, 1.0)
+
+    def _score_replies(self) -> None:
+        """Greedy replies to held-out examples: their exact-match accuracy (in ``eval_metrics``) and the first one
+        (``eval_sample``), shown at every evaluation."""
+        from griffin.finetune.evaluate import exact_match
+
+        with self._autocast():
+            scored = exact_match(self.model, self.val_examples, self.cfg.eval_examples)
+        if scored is None:
+            return
+        self.eval_metrics = {"exact_match": scored.accuracy}
+        decode = self.tokenizer.decode
+        reference = "" if scored.reply == scored.reference else f"  [reference: {decode(scored.reference)!r}]"
+        self.eval_sample = f"{decode(scored.prompt)}{decode(scored.reply)}{reference}"
 
     # Checkpoints ---------------------------------------------------------------------------------------------
     def save(self, val_loss: float | None, track_best: bool = True) -> Path:
@@ -517,7 +653,9 @@ class Trainer:
             self.layout.save(path, self.model, self.optimizer, {**state, "step": self.step}, extra)
         if self.dist.is_main:  # every rank holds the same weights and optimizer state
             if self.layout is None:
-                save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra)
+                write = functools.partial(write_lora, base=str(Path(self.cfg.init).resolve())) \
+                    if self.cfg.lora_rank else save_pretrained
+                save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra, write)
             else:
                 set_link(self.ckpt_root, "latest", path)
             best = step_dir(self.ckpt_root, self.best_step) if self.best_step is not None else None
@@ -621,11 +759,14 @@ class Trainer:
                 is_ckpt = self.step % cfg.ckpt_interval == 0 or self.step == cfg.max_steps
                 if self.step % cfg.eval_interval == 0 or is_ckpt:
                     val_loss = self.evaluate()
-                    self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics)
+                    self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics,
+                                 **({"sample": self.eval_sample} if self.eval_sample else {}))
                     mfu = rate * self.flops_per_token / self.peak_flops
                     extra = "".join(f", {k} {v:.4f}" for k, v in self.eval_metrics.items())
                     self._print(f"step {self.step:>6}: val loss {val_loss:.4f} (unigram {self.unigram:.4f}){extra}, "
                                 f"train loss {metrics['loss']:.4f}, {rate:,.0f} tokens/s, MFU {mfu:.1%}")
+                    if self.eval_sample:
+                        self._print(f"  held-out reply: {self.eval_sample[-300:]!r}")
                 if is_ckpt:
                     last_ckpt = self.save(val_loss)
                     window_start, window_tokens = time.perf_counter(), self.tokens
@@ -657,6 +798,10 @@ class Trainer:
     def sample(self, model: CausalLM | None = None) -> str:
         """A continuation of ``sample_prompt`` from the trained model (seeded, so it is reproducible); ``model``:
         the whole model gathered from a laid-out run."""
+        if self.examples:  # the held-out example's reply, as at every evaluation
+            if self.eval_sample:
+                (self.out / "sample.txt").write_text(self.eval_sample.encode("utf-8", "replace").decode("utf-8"))
+            return self.eval_sample
         if not self.cfg.sample_tokens or not self.cfg.sample_prompt or self.tokenizer is None:
             return ""
         tokenizer = self.tokenizer

@@ -1,6 +1,7 @@
 """Chat messages to prompt tokens: the tokenizer's Jinja chat template when it has one (``chat_template`` of a
 ``tokenizer_config.json``, or a ``chat_template.jinja`` file, beside the tokenizer or the checkpoint), else the plain
-template :data:`PLAIN_TEMPLATE` (docs/serving.md).
+template :data:`PLAIN_TEMPLATE` (docs/serving.md). Serving renders prompts with it, fine-tuning whole conversations
+(:meth:`ChatTemplate.conversation`: the tokens and which of them are the assistant's replies).
 
 Each message is rendered and tokenized on its own, so a conversation's tokens are a prefix of the next turn's: the
 token count after each message is a boundary where the server keeps the state in its prefix cache (Section 5: the
@@ -85,6 +86,33 @@ class ChatTemplate:
     def render_text(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                     bos_token="", eos_token="")
+
+    def conversation(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+        """The tokens of a whole conversation, as :meth:`__call__` gives a prompt, and for each token whether it is
+        part of an assistant reply: the reply's text and what the template closes it with (``<|end|>``,
+        ``<end_of_turn>``), not the header before it, which is the generation prompt a served request ends with.
+        Each reply is cut from the rendering as the text between the generation prompt after the messages before
+        it and the rendering through it; a template whose renderings do not extend one another that way is a
+        ValueError (its replies cannot be found)."""
+        clean = [{"role": m["role"], "content": message_text(m.get("content"))} for m in messages]
+        ids, reply, done = list(self.bos), [False] * len(self.bos), ""
+
+        def add(text: str, is_reply: bool, what: str) -> None:
+            nonlocal done
+            if not text.startswith(done):
+                raise ValueError(f"the chat template does not render {what} as a continuation of the messages before "
+                                 "it, so its tokens cannot be found: use another template, or train on all tokens")
+            tokens = self.tokenizer.encode(text[len(done):])
+            ids.extend(tokens)
+            reply.extend([is_reply] * len(tokens))
+            done = text
+
+        for k, message in enumerate(clean):
+            assistant = message["role"] == "assistant"
+            if assistant:
+                add(self.render_text(clean[:k], True), False, f"the generation prompt before message {k}")
+            add(self.render_text(clean[: k + 1], False), assistant, f"message {k} ({message['role']})")
+        return ids, reply
 
     def __call__(self, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """Prompt tokens for ``messages`` (with the generation prompt), and the token count after each message."""
