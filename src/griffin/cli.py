@@ -157,7 +157,14 @@ def cmd_info(args: argparse.Namespace) -> int:
             best = path / "checkpoints" / "best"
             hint = f"; its best checkpoint: griffin info {best}" if best.exists() else ""
             raise ValueError(f"{path} is a training run, not a checkpoint{hint}")
-        print(f"format: {detect_format(args.path)}")
+        fmt = detect_format(args.path)
+        print(f"format: {fmt}")
+        if fmt == "adapter":
+            from griffin.interop.adapters import adapter_summary
+
+            for key, value in adapter_summary(args.path).items():
+                print(f"  {key}: {value}")
+            print("the base model with the adapter merged:")
         model = load_pretrained(args.path)
         cfg = model.config
         quantized = quantization_of(model)

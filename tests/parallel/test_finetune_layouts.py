@@ -1,5 +1,6 @@
 """`griffin finetune --lora-rank 0` (a full fine-tune from a checkpoint, on packed examples) under torchrun (CPU, gloo):
-the losses of one process on tensor-parallel and sharded layouts, and LoRA under data parallelism."""
+the losses of one process on tensor-parallel and sharded layouts, and LoRA under data parallelism; activation
+checkpointing in one process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from griffin import CausalLM
 from griffin.cli import main
@@ -80,3 +82,21 @@ def test_lora_under_data_parallelism_matches_one_process(base, tmp_path):
                           "-m", "griffin.cli", "finetune", *args(base, tmp_path / "fsdp", 2, **{"dp-shard": 2})],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode != 0 and "tp and dp_shard lay out a full fine-tune (--lora-rank 0)" in run.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_activation_checkpointing_in_one_process_changes_nothing(base, tmp_path, rank):
+    """``--activation-checkpointing`` without a layout (one process) recomputes each block in the backward pass: the
+    same losses and weights, for a full fine-tune and for LoRA with dropout (its random draws replayed)."""
+    runs = {}
+    for flag in ("--no-activation-checkpointing", "--activation-checkpointing"):
+        out = tmp_path / flag.strip("-")
+        argv = args(base, out, 4, **{"lora-rank": rank, "lora-dropout": 0.1, "eval-examples": 0})
+        assert main(["finetune", *argv, flag]) == 0
+        weights = "adapter_model.safetensors" if rank else "model.safetensors"
+        runs[flag] = losses(out), load_file(out / "checkpoints" / "step_00000004" / weights)
+    (plain, plain_weights), (checkpointed, checkpointed_weights) = runs.values()
+    assert plain == checkpointed and len(plain) == 4
+    assert plain_weights.keys() == checkpointed_weights.keys()
+    for name, tensor in plain_weights.items():
+        assert torch.equal(tensor, checkpointed_weights[name]), name

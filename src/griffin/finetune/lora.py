@@ -61,8 +61,13 @@ def apply_lora(model: CausalLM, settings: LoraSettings, targets: str | list[str]
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The LoRA-wrapped projections of ``model``, by name (empty if it has none)."""
-    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    """The LoRA-wrapped projections of ``model``, by name (empty if it has none); names as in a state dict, without
+    activation checkpointing's wrapper module."""
+    return {name.replace(WRAPPED, ""): m for name, m in model.named_modules()
+            if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+
+
+WRAPPED = "_checkpoint_wrapped_module."  # torch's activation checkpointing wrapper, inside a block's name
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -113,7 +118,8 @@ def load_lora_pairs(model: nn.Module, pairs: dict[str, tuple[Tensor, Tensor]], s
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain projection back, in place: the model then computes
     what it computed with the adapters (in the base weights' precision) at a plain model's cost."""
-    for name, layer in lora_layers(model).items():
+    wrapped = [(name, m) for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    for name, layer in wrapped:
         layer.merge()
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, layer.base_layer)

@@ -21,12 +21,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from griffin.model import CausalLM
 
 
-def apply_activation_checkpointing(model: CausalLM) -> CausalLM:
+def apply_activation_checkpointing(model: CausalLM, preserve_rng_state: bool = False) -> CausalLM:
     """Recompute each residual block in the backward pass instead of keeping its activations: only the blocks'
-    inputs stay in memory, for one more forward pass of compute. Parameter names are unchanged in state dicts."""
+    inputs stay in memory, for one more forward pass of compute. Parameter names are unchanged in state dicts.
+    ``preserve_rng_state``: replay the forward pass's random numbers (LoRA's dropout draws some)."""
     for i, block in enumerate(model.blocks):
         model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                             preserve_rng_state=False)
+                                             preserve_rng_state=preserve_rng_state)
     return model
 
 

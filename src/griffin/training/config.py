@@ -283,8 +283,8 @@ def _suggest(key: str, names: Any) -> str:
 
 
 def same_setting(key: str, a: Any, b: Any) -> bool:
-    """Whether two values of a setting mean the same (numbers by value, lists and tuples alike, data paths resolved)."""
-    if key == "data" and isinstance(a, str) and isinstance(b, str):
+    """Whether two values of a setting mean the same (numbers by value, lists and tuples alike, paths resolved)."""
+    if key in ("data", "init", "chat_template") and isinstance(a, str) and isinstance(b, str):
         def paths(text: str) -> list[str]:
             return [str(Path(p).resolve()) for p in text.split(",")] if text else []
         return a == b or paths(a) == paths(b)

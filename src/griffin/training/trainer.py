@@ -412,6 +412,10 @@ class Trainer:
             self.model.to(DTYPES[cfg.base_dtype])
             self.lora_modules = apply_lora(self.model, LoraSettings(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout),
                                            cfg.lora_targets)
+        if cfg.activation_checkpointing and self.layout is None:  # (a layout applies its own, inside the shards)
+            from griffin.parallel.fsdp import apply_activation_checkpointing
+
+            apply_activation_checkpointing(self.model, preserve_rng_state=cfg.lora_dropout > 0)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg)
         self.ddp = None
@@ -423,6 +427,8 @@ class Trainer:
         wrapped = self.ddp or self.model
         self.forward = torch.compile(wrapped) if cfg.compile and self.layout is None else wrapped
         self.flops_per_token = training_flops_per_token(self.model_config, cfg.seq_len)
+        if cfg.lora_rank:  # the frozen weights get no gradient: about 4 of the 6 FLOPs per weight and token
+            self.flops_per_token = self.flops_per_token * 2 / 3
         self.peak_flops, self.peak_source = peak_flops(self.device, self.autocast or torch.float32)
 
         self.step = 0
@@ -497,9 +503,10 @@ class Trainer:
             if cfg.dp_replicate not in (0, self.dist.world_size):
                 raise ValueError(f"dp_replicate={cfg.dp_replicate} with tp=1 and dp_shard=1 must equal the world size "
                                  f"{self.dist.world_size}")
-            extras = [k for k in ("sequence_parallel", "activation_checkpointing", "cpu_offload") if getattr(cfg, k)]
+            extras = [k for k in ("sequence_parallel", "cpu_offload") if getattr(cfg, k)]
             if extras:
                 raise ValueError(f"{', '.join(extras)} apply to a layout with tp > 1 or dp_shard > 1")
+            # activation checkpointing without a layout: applied to the blocks once the model is built
             return None
         if source is not None:
             raise ValueError("a BatchSource trains in one process; tp and dp_shard need a prepared dataset")
@@ -715,6 +722,11 @@ class Trainer:
             raise TypeError(f"stop must be a StopRequest, a threading.Event or a callable, got {type(stop).__name__}")
         asked = stop.is_set if stop is not None and hasattr(stop, "is_set") else stop
         n_params = self.model.num_parameters()
+        if cfg.lora_rank:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self._print(f"LoRA rank {cfg.lora_rank} (alpha {cfg.lora_alpha:g}) on {len(self.lora_modules)} projections "
+                        f"of {cfg.init}: {trainable:,} trainable parameters, the model's {n_params - trainable:,} "
+                        f"frozen in {cfg.base_dtype}")
         self._print(f"griffin train: {self.model_config.family} {n_params:,} parameters "
                     f"({self.model_config.depth} blocks, width {self.model_config.width}) on {self.device}"
                     f"{', bf16 autocast' if self.autocast else ', fp32'}; {self.data_line}; "
