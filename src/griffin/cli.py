@@ -114,13 +114,19 @@ def cmd_merge(args: argparse.Namespace) -> int:
     else:
         save_pretrained(model, out)
     copied = []
-    for source in (Path(args.adapter), Path(base) if Path(base).is_dir() else Path(base).parent):
-        found = tokenizer_file(source)  # the tokenizer and chat template beside the adapter, else the base's
-        if found is not None and not copied:
-            for name in (found.name, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+    sources = (Path(args.adapter), Path(base) if Path(base).is_dir() else Path(base).parent)
+    for source in sources:  # the tokenizer beside the adapter, else the base's; its config and chat template with it
+        found = tokenizer_file(source)
+        if found is not None:
+            for name in (found.name, "tokenizer_config.json", "special_tokens_map.json"):
                 if (source / name).is_file():
                     shutil.copyfile(source / name, out / name)
                     copied.append(name)
+            break
+    template = next((s / "chat_template.jinja" for s in sources if (s / "chat_template.jinja").is_file()), None)
+    if template is not None:  # the template the adapter was trained with, else the base's
+        shutil.copyfile(template, out / template.name)
+        copied.append(template.name)
     print(f"wrote {args.to} checkpoint {out}: {base} with the adapter {args.adapter} merged"
           + (f" (and {', '.join(copied)})" if copied else ""))
     return 0

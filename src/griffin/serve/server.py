@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from griffin.data.chat import ChatTemplate, find_chat_template
+from griffin.interop import adapter_base, is_adapter
 from griffin.loading import load_for_use
 from griffin.serve.app import Server, build_app
 from griffin.serve.engine import Engine
@@ -39,7 +40,10 @@ def build_server(cfg: ServeConfig) -> Server:
         template = Path(cfg.chat_template).read_text(encoding="utf-8")
     else:
         tok_dir = None if cfg.tokenizer in ("auto", "bytes") else cfg.tokenizer
-        template = find_chat_template(tok_dir, cfg.checkpoint)
+        # beside the tokenizer, the adapter (a fine-tune's checkpoint stores its chats' template), the checkpoint, or
+        # the base model of a checkpoint that is an adapter
+        base = adapter_base(cfg.checkpoint) if is_adapter(cfg.checkpoint) else None
+        template = find_chat_template(tok_dir, cfg.adapter, cfg.checkpoint, base or None)
     chat = ChatTemplate(tokenizer, template, add_bos=not cfg.no_bos)
     name = cfg.served_model_name or loaded.name
     return Server(engine, tokenizer, name, chat, default_max_tokens=cfg.default_max_tokens, add_bos=not cfg.no_bos)

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from griffin.data.examples import ExampleLoader, ExampleSplit, example_eval_batches, examples_unigram_loss, is_examples
+from griffin.data.chat import TEMPLATE_FILE
+from griffin.data.examples import (
+    ExampleLoader,
+    ExampleSplit,
+    example_eval_batches,
+    examples_unigram_loss,
+    is_examples,
+)
 from griffin.data.tokenizer import load_tokenizer
 from griffin.finetune.lora import read_lora, write_lora
 from griffin.inference import generate
@@ -655,6 +662,8 @@ class Trainer:
         if self.tokenizer_file is not None:
             name = "tokenizer.model" if self.tokenizer_file.suffix == ".model" else "tokenizer.json"
             extra[name] = self.tokenizer_file
+        if self.examples and (self.data_dir / TEMPLATE_FILE).is_file():  # the chats' template, for griffin serve
+            extra[TEMPLATE_FILE] = self.data_dir / TEMPLATE_FILE
         path = step_dir(self.ckpt_root, self.step)
         if self.layout is not None:  # every rank writes its shards; the step appears once all have
             self.layout.save(path, self.model, self.optimizer, {**state, "step": self.step}, extra)
