@@ -23,6 +23,7 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 PLAIN_STOP = ("<|end|>",)
+TEMPLATE_FILE = "chat_template.jinja"  # a template stored in a directory, beside a tokenizer or checkpoint
 
 
 def find_chat_template(*directories: str | Path | None) -> str | None:
@@ -34,7 +35,7 @@ def find_chat_template(*directories: str | Path | None) -> str | None:
         path = Path(directory)
         if path.is_file():
             path = path.parent
-        jinja = path / "chat_template.jinja"
+        jinja = path / TEMPLATE_FILE
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8")
         config = path / "tokenizer_config.json"
@@ -66,7 +67,8 @@ def message_text(content: Any) -> str:
 
 class ChatTemplate:
     """Renders messages with a Jinja template (sandboxed, as transformers does) into prompt tokens and the token
-    counts after each message. ``template`` None: :data:`PLAIN_TEMPLATE`, whose ``<|end|>`` is a default stop."""
+    counts after each message. ``template`` None: :data:`PLAIN_TEMPLATE`, whose ``<|end|>`` is a default stop (also when
+    its source is given, as a fine-tune's checkpoint stores it)."""
 
     def __init__(self, tokenizer: Tokenizer, template: str | None = None, add_bos: bool = True) -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -76,7 +78,7 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = raise_exception
-        self.plain = template is None
+        self.plain = template is None or template == PLAIN_TEMPLATE
         self.source = PLAIN_TEMPLATE if template is None else template
         self.template = env.from_string(self.source)
         self.tokenizer = tokenizer
