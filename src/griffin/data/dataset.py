@@ -40,7 +40,7 @@ MIN_PIECES, MIN_PIECE_CHARS = 50, 256  # or of fewer (not under 256) so that it 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-def _tokenizer_file(spec: str | Path) -> Path | None:
+def tokenizer_spec_file(spec: str | Path) -> Path | None:
     """The file behind a tokenizer spec (resolved like ``load_tokenizer``), None for ``bytes``."""
     if str(spec) == "bytes":
         return None
@@ -124,7 +124,7 @@ def _batched(docs: Iterable[str], max_docs: int = 512, max_chars: int = 1 << 22)
         yield batch
 
 
-def _check_out_dir(out_dir: Path) -> bool:
+def check_out_dir(out_dir: Path) -> bool:
     """Whether ``out_dir`` holds something (then it must be an earlier dataset, which ``prepare`` replaces only
     with ``overwrite``)."""
     if not out_dir.exists():
@@ -138,9 +138,9 @@ def _check_out_dir(out_dir: Path) -> bool:
     return True
 
 
-def _install(tmp: Path, out_dir: Path) -> None:
+def install_dataset(tmp: Path, out_dir: Path) -> None:
     """Move the finished ``tmp`` directory to ``out_dir``, replacing an earlier dataset there."""
-    if not _check_out_dir(out_dir):
+    if not check_out_dir(out_dir):
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)
@@ -181,7 +181,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
     tok = load_tokenizer(tokenizer)
     dtype = _resolve_dtype(dtype, tok.vocab_size)
     out_dir = Path(out_dir)
-    if _check_out_dir(out_dir) and not overwrite:
+    if check_out_dir(out_dir) and not overwrite:
         raise OutputExistsError(f"{out_dir} already holds a prepared dataset: pass --overwrite to replace it")
     default = inputs is None
     if isinstance(inputs, (str, Path)):
@@ -227,7 +227,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
                 bar.set_postfix(MB=f"{n_bytes / 1e6:.1f}", tokens=f"{n_tokens / 1e6:.1f}M", refresh=False)
         if doc != n_docs:
             raise RuntimeError(f"the inputs changed while reading them ({n_docs} documents, then {doc})")
-        tok_file = _tokenizer_file(tokenizer)
+        tok_file = tokenizer_spec_file(tokenizer)
         tok_name = "bytes" if tok_file is None else tok_file.name
         if tok_name == "meta.json" or tok_name.startswith(tuple(f"{split}-" for split in SPLITS)):
             tok_name = "tokenizer" + tok_file.suffix  # never clobber the dataset's own files
@@ -254,7 +254,7 @@ def prepare(inputs: Sequence[str | Path] | None, out_dir: str | Path, tokenizer:
         if default:
             meta["python"] = sys.version.split()[0]
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _install(tmp, out_dir)
+        install_dataset(tmp, out_dir)
     except BaseException:
         for w in writers.values():
             w.abort()

@@ -19,6 +19,8 @@ all of it trained. ``loss_on="all"`` trains on every token of every example.
     out_dir/{split}-offsets.npy         int64 start of each example, and the end
     out_dir/{split}-prompts.npy         int64 length of each example's prompt: the tokens before its last reply
                                         (0 for a text, or with loss_on="all": nothing to generate from)
+    out_dir/chat_template.jinja         the template the chats were rendered with (``griffin finetune`` copies it
+                                        into its checkpoints, where ``griffin serve`` finds it)
 
 :class:`ExampleLoader` packs whole examples into rows of ``seq_len`` tokens (never splitting one), in an order
 shuffled each epoch; every example starts at position 0, so it sees nothing of the one before it in the row
@@ -38,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from griffin.data.chat import ChatTemplate, message_text
-from griffin.data.dataset import SPLITS, _check_out_dir, _install, _tokenizer_file
+from griffin.data.chat import TEMPLATE_FILE, ChatTemplate, message_text
+from griffin.data.dataset import SPLITS, check_out_dir, install_dataset, tokenizer_spec_file
 from griffin.data.loader import Batch
 from griffin.data.tokenizer import Tokenizer, load_tokenizer
 from griffin.io import OutputExistsError, create_temp
@@ -67,7 +69,7 @@ def read_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(file:line, record)`` for each non-blank line of a JSONL file; a line that is not a JSON object is a
     ValueError naming it."""
     path = Path(path)
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark before the first line is no JSON
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -181,11 +183,11 @@ def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out_dir = Path(out_dir)
-    if _check_out_dir(out_dir) and not overwrite:
+    if check_out_dir(out_dir) and not overwrite:
         raise OutputExistsError(f"{out_dir} already holds a prepared dataset: pass --overwrite to replace it")
     tok_file = None
     if isinstance(tokenizer, (str, Path)):
-        tok_file = _tokenizer_file(tokenizer)
+        tok_file = tokenizer_spec_file(tokenizer)
         tok = load_tokenizer(tokenizer)
     else:
         tok = tokenizer
@@ -242,6 +244,8 @@ def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer
             np.save(tmp / f"{split}-offsets.npy", offsets)
             np.save(tmp / f"{split}-prompts.npy", np.array([e.prompt for e in chosen], np.int64))
             splits[split] = {"examples": len(chosen), "tokens": int(len(tokens)), "targets": int(mask.sum())}
+        if chat is not None:
+            (tmp / TEMPLATE_FILE).write_text(chat.source, encoding="utf-8")
         name = tokenizer_name
         if tok_file is not None:
             name = "tokenizer" + tok_file.suffix
@@ -258,7 +262,7 @@ def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer
             "val_fraction": val_fraction,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _install(tmp, out_dir)
+        install_dataset(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -370,9 +374,11 @@ class ExampleLoader:
                              f"{seq_len}: prepare it again with this seq_len")
         self._epoch = self._index = 0
         self._rows_epoch, self._rows = -1, []
-        if len(self._epoch_rows(0)) < 1:
-            raise ValueError(f"split {split!r} of {data_dir} packs into fewer rows than the {world_size} "
-                             "data-parallel ranks")
+        least = -(-len(self.data.tokens) // seq_len)  # the fewest rows any epoch's packing can give
+        if least < world_size:
+            raise ValueError(f"split {split!r} of {data_dir} holds {len(self.data.tokens)} tokens: at least "
+                             f"{world_size * seq_len - seq_len + 1} are needed to give each of the {world_size} "
+                             f"data-parallel ranks a row of seq_len {seq_len} in every epoch")
 
     def _epoch_rows(self, epoch: int) -> list[np.ndarray]:
         """This rank's rows of ``epoch``."""

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from griffin.config import ModelConfig
-from griffin.interop.hf import _hf_name_map
+from griffin.interop.hf import hf_name_map
 from griffin.interop.native import CheckpointError
 from griffin.io import FileFormatError, read_json, read_safetensors, write_json, write_safetensors
 from griffin.model import CausalLM
@@ -66,7 +66,7 @@ def linear_modules(config: ModelConfig) -> dict[str, str]:
     """Every projection LoRA can adapt: griffin module name -> HF module name (``blocks.3.mlp_block.up_proj`` ->
     ``model.layers.3.mlp_block.up_proj``)."""
     out = {}
-    for ours, theirs in _hf_name_map(config).items():
+    for ours, theirs in hf_name_map(config).items():
         if ours.endswith(".weight"):
             module, hf_module = ours.removesuffix(".weight"), theirs.removesuffix(".weight")
             if module.rsplit(".", 1)[-1] in GRIFFIN_TO_HF_LEAF:

@@ -68,7 +68,7 @@ def _hf_config(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _hf_name_map(config: ModelConfig) -> dict[str, str]:
+def hf_name_map(config: ModelConfig) -> dict[str, str]:
     """griffin name -> HF name, for tensors whose layout is the same up to the transforms below."""
     names = {"embed.weight": "model.embed_tokens.weight", "final_norm.scale": "model.final_norm.weight"}
     for i, kind in enumerate(config.block_types):
@@ -110,7 +110,7 @@ def load_hf(directory: Path, dtype: torch.dtype | None) -> CausalLM:
     hf: dict[str, Tensor] = {}
     for f in files:
         hf.update(read_safetensors(f)[0])
-    names = _hf_name_map(config)
+    names = hf_name_map(config)
     expected = set(names.values())
     problems = [f"missing: {n}" for n in sorted(expected - set(hf))]
     problems += [f"unexpected: {n}" for n in sorted(set(hf) - expected - {"lm_head.weight"})]
@@ -232,7 +232,7 @@ def export_hf(model: CausalLM, directory: str | Path, *, overwrite: bool = True)
     }
     state = model.state_dict()
     hf = {}
-    for ours, theirs in _hf_name_map(c).items():
+    for ours, theirs in hf_name_map(c).items():
         t = state[ours]
         hf[theirs] = t.T[:, None, :] if ours.endswith("conv_1d.w") else t
     directory = Path(directory)

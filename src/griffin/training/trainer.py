@@ -275,9 +275,12 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
                 return target
         meta = prepare_examples(examples, target, tokenizer_spec, template, seq_len=cfg.seq_len, loss_on=cfg.loss_on,
                                 truncate=cfg.truncate, val_fraction=cfg.val_fraction, seed=cfg.seed, overwrite=True)
-        if meta["truncated"] or meta["dropped"]:
-            print(f"griffin train: {meta['truncated']} examples longer than seq_len {cfg.seq_len} were cut"
-                  + (f", {meta['dropped']} left with no reply dropped" if meta["dropped"] else ""), flush=True)
+        if meta["truncated"]:
+            print(f"griffin train: {meta['truncated']} examples longer than seq_len {cfg.seq_len} were cut",
+                  flush=True)
+        if meta["dropped"]:
+            print(f"griffin train: {meta['dropped']} examples with no token to train on (a reply cut off, or a single "
+                  "token) were left out", flush=True)
         return target
     if (target / "meta.json").is_file() and not is_examples(target):
         meta = load_meta(target)
