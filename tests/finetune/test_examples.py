@@ -457,6 +457,19 @@ def test_every_epoch_gives_every_rank_a_row(tmp_path):
     assert loader.state_dict()["epoch"] >= 6  # 1 or 2 rows per rank an epoch: 12 batches end past epoch 6
 
 
+def test_held_out_examples_given_as_a_file(tmp_path):
+    """``val_files``: those examples are the val split, all of ``files`` the train split (no random hold-out)."""
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"train {i}"} for i in range(7)])
+    val = write_jsonl(tmp_path / "val.jsonl", [{"text": f"val {i}"} for i in range(3)])
+    meta = prepare_examples([train], tmp_path / "d", ByteTokenizer(), None, seq_len=16, val_files=[val])
+    assert meta["splits"]["train"]["examples"] == 7 and meta["splits"]["val"]["examples"] == 3
+    held_out = ExampleSplit(tmp_path / "d", "val")
+    assert [bytes(held_out.example(i)[0].tolist()) for i in range(3)] == [b"val 0", b"val 1", b"val 2"]
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": "x"}])  # one byte: nothing to predict
+    with pytest.raises(ValueError, match="empty.jsonl: no example with a token to evaluate on"):
+        prepare_examples([train], tmp_path / "e", ByteTokenizer(), None, seq_len=16, val_files=[empty])
+
+
 def test_a_byte_order_mark_is_no_json_error(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes("\ufeff".encode() + b'{"prompt": "a", "completion": "b"}\n')

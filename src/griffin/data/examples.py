@@ -168,16 +168,16 @@ class _Split:
 def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer: str | Path | Tokenizer,
                      template: str | None, *, seq_len: int, loss_on: str = "response", truncate: bool = False,
                      val_fraction: float = 0.05, seed: int = 0, overwrite: bool = False,
-                     tokenizer_name: str | None = None) -> dict[str, Any]:
+                     tokenizer_name: str | None = None, val_files: Sequence[str | Path] = ()) -> dict[str, Any]:
     """Tokenize the examples of JSONL ``files`` into a dataset in ``out_dir`` and return its meta.
 
     ``template``: a chat template's Jinja source, ``"plain"`` for griffin's plain template, or None (a chat is then
     refused, naming its line). An example longer than ``seq_len`` tokens is refused, naming its line, unless
     ``truncate``: then its end is cut (the count is in the meta as ``truncated``; an example left with no target is
-    dropped and counted as ``dropped``). ``round(n * val_fraction)`` examples (at least one of two or more) are held
-    out, chosen by a permutation seeded with ``seed``. ``tokenizer``: a spec for
-    :func:`~griffin.data.tokenizer.load_tokenizer` (its file is copied into the dataset) or a tokenizer object
-    (``tokenizer_name`` then names its file in the meta, None: not copied)."""
+    dropped and counted as ``dropped``). The examples of ``val_files`` are held out if given; else
+    ``round(n * val_fraction)`` examples (at least one of two or more), chosen by a permutation seeded with ``seed``.
+    ``tokenizer``: a spec for :func:`~griffin.data.tokenizer.load_tokenizer` (its file is copied into the dataset) or
+    a tokenizer object (``tokenizer_name`` then names its file in the meta, None: not copied)."""
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be at least 2")
     if not 0 <= val_fraction < 1:
@@ -196,7 +196,11 @@ def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer
     examples: list[Example] = []
     truncated = dropped = 0
     too_long: list[Example] = []
-    for file in files:
+    val_files = list(val_files or [])
+    first_val = None
+    for file in [*files, *val_files]:
+        if file in val_files and first_val is None:
+            first_val = len(examples)
         if not Path(file).is_file():
             raise FileNotFoundError(f"no examples file at {file}")
         for where, record in read_records(file):
@@ -222,12 +226,17 @@ def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer
         raise ValueError(f"{first.where}: the example has {len(first.ids)} tokens, more than --seq-len {seq_len} "
                          f"({len(too_long)} examples are longer, the longest {longest} tokens): raise --seq-len, or "
                          "pass --truncate to cut them to seq_len tokens")
-    if not examples:
-        raise ValueError(f"{', '.join(map(str, files))}: no example with a token to train on")
     n = len(examples)
-    n_val = min(max(1, round(n * val_fraction)), n - 1) if val_fraction > 0 and n >= 2 else 0
     is_val = np.zeros(n, bool)
-    is_val[np.random.default_rng(seed).permutation(n)[:n_val]] = True
+    if first_val is not None:  # the held-out examples are given
+        is_val[first_val:] = True
+        if first_val == n:
+            raise ValueError(f"{', '.join(map(str, val_files))}: no example with a token to evaluate on")
+    else:
+        n_val = min(max(1, round(n * val_fraction)), n - 1) if val_fraction > 0 and n >= 2 else 0
+        is_val[np.random.default_rng(seed).permutation(n)[:n_val]] = True
+    if is_val.all():
+        raise ValueError(f"{', '.join(map(str, files))}: no example with a token to train on")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = create_temp(out_dir.parent, f".{out_dir.name}.tmp-", directory=True)
     try:
@@ -255,7 +264,8 @@ def prepare_examples(files: Sequence[str | Path], out_dir: str | Path, tokenizer
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION, "tokenizer": name, "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id, "eos_id": tok.eos_id, "splits": splits,
-            "sources": [str(Path(f).resolve()) for f in files], "seq_len": seq_len, "loss_on": loss_on,
+            "sources": [str(Path(f).resolve()) for f in files],
+            "val_sources": [str(Path(f).resolve()) for f in val_files], "seq_len": seq_len, "loss_on": loss_on,
             "template": "none" if template is None else "plain" if template == "plain" else "jinja",
             "template_source": None if template in (None, "plain") else template,
             "truncate": truncate, "truncated": truncated, "dropped": dropped, "seed": seed,

@@ -70,6 +70,8 @@ class TrainConfig:
     truncate: bool = _opt(False, "cut examples longer than seq_len (and count them) instead of refusing them")
     eval_examples: int = _opt(32, "examples: held-out replies generated greedily at each evaluation, scored by exact "
                                   "match (0: none)")
+    val_data: str = _opt("", "examples to evaluate on (JSONL files, comma-separated); default: val_fraction of "
+                             "--data's examples held out")
     # Data
     data: str = _opt("", "a dataset prepared by `griffin prepare`, or text/JSONL/parquet files or directories to "
                          "prepare into OUT/data; JSONL chats or prompt/completion pairs (any JSONL with --init) are "
@@ -264,7 +266,7 @@ class TrainConfig:
 #: the trainer as the global batch, which may be split over another number of data-parallel ranks.
 RUN_KEYS = ("preset", "model", "data", "tokenizer", "val_fraction", "seq_len", "grad_accum", "lr", "min_lr_ratio",
             "warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip", "seed", "init", "lora_rank",
-            "lora_alpha", "lora_dropout", "lora_targets", "loss_on", "chat_template", "truncate")
+            "lora_alpha", "lora_dropout", "lora_targets", "loss_on", "chat_template", "truncate", "val_data")
 
 
 #: Settings of the machine a run happens to use, not of the run: a resumed run takes them from its own flags (or the
@@ -284,7 +286,7 @@ def _suggest(key: str, names: Any) -> str:
 
 def same_setting(key: str, a: Any, b: Any) -> bool:
     """Whether two values of a setting mean the same (numbers by value, lists and tuples alike, paths resolved)."""
-    if key in ("data", "init", "chat_template") and isinstance(a, str) and isinstance(b, str):
+    if key in ("data", "val_data", "init", "chat_template") and isinstance(a, str) and isinstance(b, str):
         def paths(text: str) -> list[str]:
             return [str(Path(p).resolve()) for p in text.split(",")] if text else []
         return a == b or paths(a) == paths(b)

@@ -262,9 +262,14 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
     tokenizer_spec = run_tokenizer(cfg)
     tokenizer = "bytes" if tokenizer_spec == "bytes" else Path(tokenizer_spec).name
     examples = example_files(cfg)
+    if cfg.val_data and examples is None:
+        raise ValueError(f"--val-data {cfg.val_data} holds examples to evaluate on; --data {cfg.data or '(none)'} "
+                         "names no JSONL examples to train on")
     if examples is not None:
         template = chat_template(cfg)
-        wanted = {"sources": sources, "seed": cfg.seed, "val_fraction": cfg.val_fraction, "seq_len": cfg.seq_len,
+        val_sources = [str(Path(p).resolve()) for p in cfg.val_data.split(",")] if cfg.val_data else []
+        wanted = {"sources": sources, "val_sources": val_sources, "seed": cfg.seed, "val_fraction": cfg.val_fraction,
+                  "seq_len": cfg.seq_len,
                   "loss_on": cfg.loss_on, "truncate": cfg.truncate,
                   "template": "none" if template is None else "plain" if template == "plain" else "jinja",
                   "template_source": None if template in (None, "plain") else template}
@@ -274,7 +279,8 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
             if same_tokenizer and all(meta.get(k) == v for k, v in wanted.items()):
                 return target
         meta = prepare_examples(examples, target, tokenizer_spec, template, seq_len=cfg.seq_len, loss_on=cfg.loss_on,
-                                truncate=cfg.truncate, val_fraction=cfg.val_fraction, seed=cfg.seed, overwrite=True)
+                                truncate=cfg.truncate, val_fraction=cfg.val_fraction, seed=cfg.seed, overwrite=True,
+                                val_files=val_sources)
         if meta["truncated"]:
             print(f"griffin train: {meta['truncated']} examples longer than seq_len {cfg.seq_len} were cut",
                   flush=True)
