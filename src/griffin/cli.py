@@ -274,11 +274,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.command == "finetune":  # griffin train from the checkpoint, with fine-tuning's defaults
         from griffin.training.trainer import resume_checkpoint
 
-        given = {"out": FINETUNE_DEFAULTS["out"], **given, "init": args.checkpoint}
+        given = {"out": FINETUNE_DEFAULTS["out"], **given, "init": str(Path(args.checkpoint).absolute())}
         given.pop("model")
         if not (given.get("resume") and resume_checkpoint(given["out"], given["resume"])):  # else the run's own
             given = {**finetune_defaults(given), **given}
-            if not given.get("data"):
+            if not given.get("data") and given.get("resume") != "auto":  # (--resume: its own error, naming OUT)
                 raise ValueError("give the examples to fine-tune on: --data FILE.jsonl (chats, prompt/completion "
                                  "pairs or texts; docs/finetuning.md), or a dataset from `griffin prepare`")
     cfg = resumed_config(given) if given.get("resume") else TrainConfig.from_dict(given, source=source)

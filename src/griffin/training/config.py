@@ -169,6 +169,10 @@ class TrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         if self.lora_rank and not self.init:
             raise ValueError(f"lora_rank={self.lora_rank}: LoRA adapts a pretrained model; give it with --init")
+        if self.lora_rank and (self.tp > 1 or self.dp_shard > 1):
+            raise ValueError(f"lora_rank={self.lora_rank} with tp={self.tp}, dp_shard={self.dp_shard}: LoRA trains in "
+                             "one process or data-parallel (DistributedDataParallel under torchrun); tp and dp_shard "
+                             "lay out a full fine-tune (--lora-rank 0)")
         if self.init and self.model:
             raise ValueError(f"--model {', '.join(sorted(self.model))}: a fine-tune (--init) keeps the checkpoint's "
                              "model config")

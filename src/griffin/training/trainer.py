@@ -396,9 +396,6 @@ class Trainer:
                              f"tokenizer ({self.meta['vocab_size']} tokens)"
                              + (": prepare the data with the checkpoint's tokenizer" if cfg.init else ""))
         self.layout = self._layout(cfg, source)
-        if cfg.lora_rank and self.layout is not None:
-            raise ValueError("LoRA trains in one process or data-parallel (DistributedDataParallel under torchrun); "
-                             "tp and dp_shard lay out a full fine-tune (--lora-rank 0)")
         if source is None:
             rank, world = self.dist.dp_rank, self.dist.dp_size
             loader, batches = (ExampleLoader, example_eval_batches) if self.examples else (PackedLoader, eval_batches)
@@ -654,7 +651,8 @@ class Trainer:
         self.eval_metrics = {"exact_match": scored.accuracy}
         decode = self.tokenizer.decode
         reference = "" if scored.reply == scored.reference else f"  [reference: {decode(scored.reference)!r}]"
-        self.eval_sample = f"{decode(scored.prompt)}{decode(scored.reply)}{reference}"
+        text = f"{decode(scored.prompt)}{decode(scored.reply)}{reference}"
+        self.eval_sample = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bytes cut mid-character
 
     # Checkpoints ---------------------------------------------------------------------------------------------
     def save(self, val_loss: float | None, track_best: bool = True) -> Path:
@@ -769,7 +767,13 @@ class Trainer:
                 raise self._stopped(reason, self.resumed_from)
             if self.step == 0:  # the starting point of the validation curve
                 val_loss = self.evaluate()
-                self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics)
+                self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics,
+                             **({"sample": self.eval_sample} if self.eval_sample else {}))
+                if self.eval_metrics or self.eval_sample:
+                    extra = "".join(f", {k} {v:.4f}" for k, v in self.eval_metrics.items())
+                    self._print(f"step      0: val loss {val_loss:.4f} (unigram {self.unigram:.4f}){extra}")
+                if self.eval_sample:
+                    self._print(f"  held-out reply: {self.eval_sample[-300:]!r}")
             window_start, window_tokens = time.perf_counter(), self.tokens
             while self.step < cfg.max_steps:
                 metrics = self.train_step()
