@@ -198,6 +198,9 @@ def decode_model(model: CausalLM, batch_size: int, prepack: bool | None = None,
     rows), and (``fuse``) whose residual blocks run the element-wise
     work of a step through fused kernels (:mod:`griffin.inference.cpu.fused`); or ``model`` itself. A model already
     swapped is returned as it is, so that a caller that decodes many times (``griffin serve``) makes the copy once."""
+    if any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules()):
+        raise ValueError("the model holds LoRA adapters: merge them into its weights first (griffin.finetune."
+                         "merge_lora, or load the checkpoint with adapter=), which decodes at a plain model's speed")
     if is_swapped(model):
         return model
     quantized = quantization_of(model) is not None

@@ -80,12 +80,12 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | str | None = None, *,
     fmt = detect_format(path)
     if overrides and fmt != "official":
         raise TypeError(f"options {sorted(overrides)} only apply to official checkpoints, not {fmt}")
-    if adapter is not None:
+    if adapter is not None:  # merged into the weights as stored (what the adapter's base fingerprint saw), then cast
         if fmt == "adapter":
             raise ValueError(f"{path} is itself a LoRA adapter: give its base model, then the adapter")
-        model = load_pretrained(path, dtype, **overrides)
+        model = load_pretrained(path, None, **overrides)
         merge_adapter(model, adapter)
-        return model
+        return model if dtype is None or quantization_of(model) is not None else model.to(dtype)
     if fmt == "adapter":
         base = adapter_base(path)
         if not base or not Path(base).exists():

@@ -183,8 +183,8 @@ def is_adapter(path: str | Path) -> bool:
 
 def read_adapter(directory: str | Path, config: ModelConfig) -> Adapter:
     """The adapter in ``directory``, for a model of ``config``: a file that is missing or malformed, an adapter kind
-    griffin cannot merge (DoRA, biases, modules saved whole, per-layer ranks), or a module or shape this model does
-    not have is an :class:`AdapterError` naming it."""
+    griffin cannot merge (DoRA, biases, modules saved whole, per-layer ranks, aLoRA, ...), or a module or shape this
+    model does not have is an :class:`AdapterError` naming it."""
     directory = Path(directory)
     if not is_adapter(directory):
         raise FileNotFoundError(f"no {ADAPTER_CONFIG} in {directory}: not a LoRA adapter directory")
@@ -198,8 +198,12 @@ def read_adapter(directory: str | Path, config: ModelConfig) -> Adapter:
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
         kind = cfg.get("peft_type") if isinstance(cfg, dict) else cfg
         raise AdapterError(f"{source}: not a LoRA adapter (peft_type {kind!r})")
+    # (PEFT's variants that a plain W + scale B A does not express: lora_bias adds a bias to B, aLoRA adapts only the
+    # tokens after its invocation tokens, QALoRA pools A's input, trainable tokens change embedding rows, ...)
     unsupported = [(key, cfg.get(key)) for key in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern",
-                                                     "fan_in_fan_out") if cfg.get(key)]
+                                                     "fan_in_fan_out", "lora_bias", "alora_invocation_tokens",
+                                                     "use_qalora", "trainable_token_indices", "layer_replication",
+                                                     "target_parameters") if cfg.get(key)]
     if cfg.get("bias", "none") != "none":
         unsupported.append(("bias", cfg["bias"]))
     if unsupported:
@@ -264,7 +268,8 @@ def check_base(adapter: Adapter, weights: Mapping[str, Tensor]) -> None:
     if found != adapter.fingerprint:
         named = f" ({adapter.base})" if adapter.base else ""
         raise AdapterError(f"the adapter {adapter.path} was trained on another base model{named}: its base weights' "
-                           f"fingerprint is {adapter.fingerprint}, this model's {found}")
+                           f"fingerprint is {adapter.fingerprint}, this model's {found} (the same weights stored in "
+                           "another precision differ too: merge into the checkpoint it was trained on)")
 
 
 @torch.no_grad()
