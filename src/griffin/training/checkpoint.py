@@ -84,10 +84,11 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
 # Writing ------------------------------------------------------------------------------------------------
 def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], extra_files: dict[str, Path] | None = None,
-                    write_model: Callable[[CausalLM, Path], None] = save_pretrained) -> Path:
+                    write_model: Callable[[CausalLM, Path], None] | None = None) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically and point ``root/latest`` at it; ``extra_files`` maps
     names in the checkpoint to files copied in (the tokenizer); ``write_model`` writes the model into the directory
-    (a LoRA run writes its adapters only: :mod:`griffin.finetune`)."""
+    (default: :func:`~griffin.interop.save_pretrained`; a LoRA run writes its adapters only, :mod:`griffin.finetune`).
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(root, step)
@@ -96,7 +97,7 @@ def save_checkpoint(root: str | Path, step: int, model: CausalLM, optimizer: tor
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        write_model(model, tmp)
+        (save_pretrained if write_model is None else write_model)(model, tmp)
         tensors, groups = _optimizer_tensors(optimizer)
         write_safetensors(tmp / OPTIMIZER_STATE, {**tensors, **_rng_tensors()}, {"library": "griffin"})
         state = {**trainer_state, "step": step, "optimizer_param_groups": groups}

@@ -38,7 +38,7 @@ from griffin.data.examples import (
 from griffin.data.tokenizer import load_tokenizer
 from griffin.finetune.lora import read_lora, write_lora
 from griffin.inference import generate
-from griffin.interop import DTYPES, CheckpointError, save_pretrained
+from griffin.interop import DTYPES, CheckpointError
 from griffin.interop.adapters import LoraSettings
 from griffin.io import atomic_write
 from griffin.model import CausalLM
@@ -677,7 +677,7 @@ class Trainer:
         if self.dist.is_main:  # every rank holds the same weights and optimizer state
             if self.layout is None:
                 write = functools.partial(write_lora, base=str(Path(self.cfg.init).resolve())) \
-                    if self.cfg.lora_rank else save_pretrained
+                    if self.cfg.lora_rank else None
                 save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra, write)
             else:
                 set_link(self.ckpt_root, "latest", path)
