@@ -269,8 +269,7 @@ def prepare_data(cfg: TrainConfig, out: Path) -> Path:
         template = chat_template(cfg)
         val_sources = [str(Path(p).resolve()) for p in cfg.val_data.split(",")] if cfg.val_data else []
         wanted = {"sources": sources, "val_sources": val_sources, "seed": cfg.seed, "val_fraction": cfg.val_fraction,
-                  "seq_len": cfg.seq_len,
-                  "loss_on": cfg.loss_on, "truncate": cfg.truncate,
+                  "seq_len": cfg.seq_len, "loss_on": cfg.loss_on, "truncate": cfg.truncate,
                   "template": "none" if template is None else "plain" if template == "plain" else "jinja",
                   "template_source": None if template in (None, "plain") else template}
         if is_examples(target):
