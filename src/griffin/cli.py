@@ -275,7 +275,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from griffin.training.trainer import resume_checkpoint
 
         given = {"out": FINETUNE_DEFAULTS["out"], **given, "init": str(Path(args.checkpoint).absolute())}
-        given.pop("model")
+        if not given["model"]:  # (a config file's [model] table is refused with --init)
+            given.pop("model")
         if not (given.get("resume") and resume_checkpoint(given["out"], given["resume"])):  # else the run's own
             given = {**finetune_defaults(given), **given}
             if not given.get("data") and given.get("resume") != "auto":  # (--resume: its own error, naming OUT)
