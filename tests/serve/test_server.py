@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from griffin import generate
-from griffin.interop import save_pretrained
 from griffin.data.chat import ChatTemplate
+from griffin.interop import save_pretrained
 from griffin.serve.text import clean
 from tests.serve.conftest import free_port, start_server, tiny_model
 
