@@ -169,3 +169,60 @@ def test_the_training_and_evaluation_docs_run_as_written(tour_dir, capsys):
     run_tour(commands, capsys)
     assert Path("tok/tokenizer.json").is_file() and Path("data/mine/meta.json").is_file()
     assert (Path("runs/job/checkpoints/best/config.json")).is_file()
+
+
+FINETUNE_TINY = ["--max-steps", "2", "--eval-interval", "2", "--eval-examples", "2", "--eval-batches", "1",
+                 "--batch-size", "2", "--no-progress", "--no-tensorboard"]
+
+
+def doc_section(path: Path, heading: str) -> str:
+    """The text of a Markdown file from the ``## heading`` to the next ``## `` heading."""
+    text = path.read_text()
+    start = text.index(f"\n## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+@pytest.mark.slow
+def test_the_finetuning_worked_example_runs_as_written(tour_dir, capsys):
+    """docs/finetuning.md's worked example, its commands in its order at tiny sizes: the base model (the training
+    tour's sizes: griffin-tiny), the pairs (`python -m griffin.finetune.docstrings` on a few standard-library files),
+    the LoRA (rank 4: griffin-tiny's key projection has 8 outputs) and full fine-tunes, the prompt file, generate from
+    the adapter directory and with --adapter, info, merge, the HF export, and its Python (PEFT on the export)."""
+    import subprocess
+    import sysconfig
+
+    from griffin.finetune.docstrings import main as make_pairs
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    few = [str(stdlib / name) for name in ("bisect.py", "colorsys.py", "json/decoder.py", "operator.py")]
+    section = doc_section(ROOT / "docs" / "finetuning.md", "A worked example on a CPU")
+    ran = []
+    for line in shell_blocks(section):
+        line = line.strip()
+        if line.startswith("python -m griffin.finetune.docstrings"):
+            args = shlex.split(line, comments=True)[3:]
+            if "--help" not in args:
+                assert make_pairs([*few, *args]) == 0, capsys.readouterr().err
+                ran.append("pairs")
+            continue
+        if line.startswith("printf "):
+            subprocess.run(["bash", "-c", line], check=True)
+            continue
+        for argv in griffin_commands(line):
+            if any(" ".join(argv).startswith(k) for k in NOT_RUN):
+                continue
+            if argv[0] == "train":
+                argv = argv + TINY_TRAIN
+            elif argv[0] == "finetune":
+                argv = argv + FINETUNE_TINY + ([] if "--lora-rank" in argv else ["--lora-rank", "4"])
+            assert main(argv) == 0, (argv, capsys.readouterr().err)
+            ran.append(argv[0])
+    assert ran == ["train", "pairs", "pairs", "finetune", "finetune", "generate", "generate", "info", "merge",
+                   "convert"], ran
+    assert Path("runs/lora/checkpoints/best/adapter_config.json").is_file()
+    assert Path("runs/full/checkpoints/best/model.safetensors").is_file()
+    assert Path("merged/config.json").is_file() and Path("hf-base/config.json").is_file()
+    python = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(python) == 1
+    exec(compile(python[0], "docs/finetuning.md", "exec"), {})  # PEFT loads the adapter onto the HF export
