@@ -3,6 +3,6 @@
 training (:mod:`griffin.finetune.evaluate`). The examples and their loss mask: :mod:`griffin.data.examples`; the
 loop is ``griffin train``'s, started from a checkpoint (``--init``; ``griffin finetune``)."""
 
-from griffin.finetune.lora import apply_lora, has_lora, lora_layers, merge_lora, save_lora
+from griffin.finetune.lora import apply_lora, lora_layers, merge_lora, save_lora
 
-__all__ = ["apply_lora", "has_lora", "lora_layers", "merge_lora", "save_lora"]
+__all__ = ["apply_lora", "lora_layers", "merge_lora", "save_lora"]

@@ -70,10 +70,6 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 WRAPPED = "_checkpoint_wrapped_module."  # torch's activation checkpointing wrapper, inside a block's name
 
 
-def has_lora(model: nn.Module) -> bool:
-    return any(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in model.modules())
-
-
 def lora_pairs(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
     """Each adapted module's (A, B) weights, by the module's name."""
     return {name: (m.lora_A["default"].weight, m.lora_B["default"].weight) for name, m in lora_layers(model).items()}
