@@ -60,14 +60,14 @@ def apply_lora(model: CausalLM, settings: LoraSettings, targets: str | list[str]
     return modules
 
 
+WRAPPED = "_checkpoint_wrapped_module."  # torch's activation checkpointing wrapper, inside a block's name
+
+
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The LoRA-wrapped projections of ``model``, by name (empty if it has none); names as in a state dict, without
     activation checkpointing's wrapper module."""
     return {name.replace(WRAPPED, ""): m for name, m in model.named_modules()
             if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
-
-
-WRAPPED = "_checkpoint_wrapped_module."  # torch's activation checkpointing wrapper, inside a block's name
 
 
 def lora_pairs(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
