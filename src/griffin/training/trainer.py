@@ -675,7 +675,8 @@ class Trainer:
             self.layout.save(path, self.model, self.optimizer, {**state, "step": self.step}, extra)
         if self.dist.is_main:  # every rank holds the same weights and optimizer state
             if self.layout is None:
-                write = functools.partial(write_lora, base=str(Path(self.cfg.init).resolve())) \
+                # the base named as given (a `best` link outlives the step it points to, which may be pruned)
+                write = functools.partial(write_lora, base=str(Path(self.cfg.init).absolute())) \
                     if self.cfg.lora_rank else None
                 save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, extra, write)
             else:
