@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -301,6 +300,6 @@ def adapter_base(directory: str | Path) -> str:
 
 def adapter_summary(directory: str | Path) -> dict[str, Any]:
     """What ``griffin info`` shows of an adapter: its PEFT config's main fields."""
-    cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text())
+    cfg = read_json(Path(directory) / ADAPTER_CONFIG)
     return {k: cfg.get(k) for k in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules",
                                     "base_model_name_or_path")}
