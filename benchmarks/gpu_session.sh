@@ -1,63 +1,98 @@
 #!/usr/bin/env bash
-# Everything griffin measures on an NVIDIA GPU, in steps that each fit a 10-minute call of a lent machine, which
-# has PyTorch, Triton and transformers but no internet. From the repository root on the GPU machine:
+# Everything griffin measures on an NVIDIA GPU, in steps sized for a lent machine (10 minutes a call, about 15
+# minutes of device time a session), which has PyTorch, Triton and transformers but no internet. From the
+# repository root on the GPU machine:
 #
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 #
-#   tests   the Triton RG-LRU kernel (full size), local attention, the peers, compile (incl. CUDA graphs) and
-#           inference tests, on the GPU, slow ones included
-#   scan    benchmarks/scan_gpu.py: the RG-LRU kernel vs copy, the PyTorch loop, torch.compile, accelerated-scan
-#           and fla (Figure 9a setting; issue 5)
-#   fig9b   benchmarks/hawk_scan_backends.py on CUDA (Figure 9b; issue 5)
-#   local   benchmarks/local_attention.py on CUDA in bf16, with FlexAttention (issue 5)
-#   infer   benchmarks/inference.py at the paper's 1B scale, bf16, compiled decode (CUDA graphs) (Figure 1b, 4;
-#           issue 3)
-#   train   benchmarks/train_speed.py at the 400M scale (Figure 3; issue 2)
+#   scan          the RG-LRU kernel against copy, accelerated-scan and fla's HGRN kernels: B=8, T=2K/8K,
+#                 D=1024/2560, bf16 and fp32, forward and forward+backward, eager and CUDA-graph (~2 min)
+#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~1.5 min)
+#   train         the training step at 400M (Appendix C), bf16 autocast, tokens/s and MFU, T = 2K and 8K (~2 min)
+#   decode        MQA, Hawk, Griffin at 1B: decode latency at batch 64 (empty and 1K prompt), throughput to batch
+#                 256, decode bandwidth against copy, and HF generate on the same Griffin weights (~2.5 min)
+#   decode-graph  Griffin 1B decoded by the torch.compile'd step (CUDA graphs), batch 1 and 64 (compiling: ~3 min)
+#   serve         benchmarks/serve_load.py --device cuda: a 0.7B byte-level Griffin in bf16, 32 and 256 closed-loop
+#                 clients against HF generate one request at a time (~3 min)
+#   sweep         scan_gpu.py --sweep: kernel tile configurations (choose select_config's tables per GPU; ~4 min)
+#   fig9b, local  Figure 9b (hawk_scan_backends.py) and local attention (FlexAttention) on CUDA
 #
-# The peers accelerated-scan and fla are used when their wheels were downloaded beforehand, on a machine with
-# internet (einops is already on the GPU image):
+# Wheels the image lacks travel with the working tree (no internet there): on a machine with internet, from the
+# repository root (.whl is in .git/info/exclude; the device tool's `carry: [".whl"]`),
 #
-#   pip download --no-deps -d benchmarks/wheels accelerated-scan==0.3.1 fla-core==0.6.0
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl \
+#       accelerated-scan==0.3.1 fla-core==0.6.0 starlette uvicorn pydantic pydantic-core annotated-types \
+#       typing-inspection openai distro jiter sniffio
 #
-# and carried along (the device tool's `carry: ["benchmarks/wheels"]`). Results go to $OUT when it is set (the
-# device tool's folder that comes back), else to benchmarks/results.
+# (the peers of `scan`; the server and client of `serve`). They are installed into a scratch folder, not the image.
+# Results go to $OUT when it is set (the device tool's folder that comes back: at most 8 files), else to
+# benchmarks/results; each step's output is also appended to session.log there.
 set -euo pipefail
 
 RESULTS="${OUT:-benchmarks/results}"
 mkdir -p "$RESULTS"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=python3
+LOG="$RESULTS/session.log"
 
-if compgen -G "benchmarks/wheels/*.whl" > /dev/null; then
-    PEERS="$(mktemp -d)"
-    "$PY" -m pip install -q --no-deps --no-index --target "$PEERS" benchmarks/wheels/*.whl
-    export PYTHONPATH="$PYTHONPATH:$PEERS"
+WHEELS=$(compgen -G ".whl/*.whl" || compgen -G "benchmarks/wheels/*.whl" || true)
+if [ -n "$WHEELS" ]; then
+    SITE="$(mktemp -d)"
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$SITE" $WHEELS
+    export PYTHONPATH="$PYTHONPATH:$SITE"
 fi
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
+"$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA GPU'; \
+print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+
+# run NAME SECONDS CMD...: one step, stopped (SIGINT, then KILL) if it outlives its share of the call
+run() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" | tee -a "$LOG"
+    local start=$SECONDS status=0
+    timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=$?
+    echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$LOG"
+}
 
 for step in "$@"; do
-    echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
-        tests)
-            "$PY" -m pytest -q -m "slow or not slow" tests/ops tests/layers \
-                tests/benchmarks/test_scan_peers.py tests/test_compile.py tests/test_model.py tests/inference 2>&1 | tail -n 30 ;;
         scan)
-            "$PY" benchmarks/scan_gpu.py --compile-budget-s 120 --out "$RESULTS/scan_gpu.json" ;;
-        fig9b)
-            "$PY" benchmarks/hawk_scan_backends.py --device cuda --width 1024 --depth 12 --seq-len 2048 --batch 8 \
-                --backends native associative fused --out "$RESULTS/hawk_scan_backends_cuda.json" \
-                --plot "$RESULTS/hawk_scan_backends_cuda.png" ;;
-        local)
-            "$PY" benchmarks/local_attention.py --device cuda --dtype bfloat16 --flex \
-                --out "$RESULTS/local_attention_cuda.json" ;;
-        infer)
-            "$PY" benchmarks/inference.py --scale paper-1b --device cuda --dtype bfloat16 --compile \
-                --out "$RESULTS/inference_1b.json" --figures "$RESULTS" ;;
+            run scan 150 "$PY" benchmarks/scan_gpu.py --shapes 8x2048x1024 8x8192x1024 8x2048x2560 8x8192x2560 \
+                --dtypes bf16 fp32 --impls accelerated-scan fla-hgrn-recurrent fla-hgrn-chunk \
+                --out "$RESULTS/scan_gpu.json" ;;
+        tests)
+            run tests 110 "$PY" -m pytest -q -x -p no:cacheprovider -m "slow or not slow" \
+                tests/ops tests/layers tests/test_model.py tests/test_compile.py \
+                tests/inference tests/benchmarks/test_scan_peers.py -k "cuda or full_size or graph or triton" ;;
         train)
-            "$PY" benchmarks/train_speed.py --scale paper-400m --device cuda --out "$RESULTS/train_speed_400m.json" \
-                --plot "$RESULTS/train_speed_400m.png" ;;
+            run train 150 "$PY" benchmarks/train_speed.py --scale paper-400m --device cuda --seq-lens 2048 8192 \
+                --warmup 2 --steps 5 --out "$RESULTS/train_speed_400m.json" --plot "" ;;
+        decode)
+            run decode 180 "$PY" benchmarks/inference.py --scale paper-1b --device cuda --dtype bfloat16 \
+                --batch 64 --prompt 1024 --lengths 256 --throughput-lengths 256 --min-batch 64 --max-batch 256 \
+                --memory-gb 60 --hf-lengths 128 --no-official --out "$RESULTS/inference_1b.json" --figures "" ;;
+        decode-graph)
+            run decode-graph 200 "$PY" benchmarks/inference.py --scale paper-1b --device cuda --dtype bfloat16 \
+                --families griffin --compile --batch 1 --prompt 1024 --lengths 256 --throughput-lengths 256 \
+                --min-batch 64 --max-batch 64 --memory-gb 60 --no-hf --no-official \
+                --out "$RESULTS/inference_1b_graph.json" --figures "" ;;
+        serve)
+            run serve 200 "$PY" benchmarks/serve_load.py --device cuda --dtype bfloat16 --width 2048 --depth 12 \
+                --heads 16 --window 1024 --concurrency 1 32 256 --requests 256 --max-batch 256 --hf-requests 12 \
+                --chat-turns 4 --threads 8 --out "$RESULTS/serve_load_cuda.json" --figure "" ;;
+        sweep)
+            run sweep 280 "$PY" benchmarks/scan_gpu.py --sweep --out "$RESULTS/scan_gpu_sweep.json" ;;
+        fig9b)
+            run fig9b 200 "$PY" benchmarks/hawk_scan_backends.py --device cuda --width 1024 --depth 12 \
+                --seq-len 2048 --batch 8 --backends native associative fused \
+                --out "$RESULTS/hawk_scan_backends_cuda.json" --plot "$RESULTS/hawk_scan_backends_cuda.png" ;;
+        local)
+            run local 150 "$PY" benchmarks/local_attention.py --device cuda --dtype bfloat16 --flex \
+                --out "$RESULTS/local_attention_cuda.json" ;;
         *)
-            echo "unknown step: $step (tests, scan, fig9b, local, infer, train)" >&2
+            echo "unknown step: $step (scan, tests, train, decode, decode-graph, serve, sweep, fig9b, local)" >&2
             exit 2 ;;
     esac
 done

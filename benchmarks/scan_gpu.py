@@ -5,7 +5,8 @@ copy (the practical bandwidth limit), the naive PyTorch loop (:func:`griffin.ops
 of the gate math plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
 (``benchmarks/scan_peers.py`` says how, without internet). Every implementation is first checked against the
 float64 reference (output and gradients, B=2, T=512, D=96) and left out, with a note, if it is wrong.
-Forward, backward and forward+backward, bf16 I/O. Achieved bandwidth = bytes an ideal fused kernel must move / time:
+Forward, backward and forward+backward, bf16 I/O (``--dtypes`` adds fp32). Achieved bandwidth = bytes an ideal
+fused kernel must move / time:
 forward reads x, gate_x, gate_a and writes y (4 arrays); backward reads x, gate_x, gate_a, dy and writes dx, dgate_x,
 dgate_a (7 arrays). Medians of ``triton.testing.do_bench`` (eager, L2 flushed between calls) and, for the Triton
 kernel, also of ``do_bench_cudagraph`` (replays of a CUDA graph: device time without Python launch overhead;
@@ -41,6 +42,7 @@ C = 8.0
 ARRAYS = {"fwd": 4, "bwd": 7, "fwd+bwd": 11}  # (B, T, D) arrays an ideal fused kernel reads + writes
 MAX_REL_ERROR = 2e-2  # of y and of the gradients against float64, with bf16 inputs and outputs
 Inputs = tuple[Tensor, Tensor, Tensor, Tensor]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def make_inputs(batch: int, steps: int, dim: int, dtype: torch.dtype, seed: int = 0) -> Inputs:
@@ -132,15 +134,16 @@ def time_forward_only(fn: Callable[..., tuple[Tensor, Tensor]], inputs: Inputs, 
         return {"fwd": bench(lambda: fn(*inputs), quick)}
 
 
-def _row(name: str, timing: str, shape: tuple[int, int, int], ms: dict[str, float], copy_gbs: float) -> dict:
+def _row(name: str, timing: str, shape: tuple[int, int, int], dtype: str, ms: dict[str, float],
+         copy_gbs: float) -> dict:
     batch, steps, dim = shape
-    n_bytes = batch * steps * dim * 2  # bf16
-    row = {"impl": name, "timing": timing, "B": batch, "T": steps, "D": dim, "dtype": "bf16"}
+    n_bytes = batch * steps * dim * DTYPES[dtype].itemsize
+    row = {"impl": name, "timing": timing, "B": batch, "T": steps, "D": dim, "dtype": dtype}
     for kind, value in ms.items():
         gbs = ARRAYS[kind] * n_bytes / value / 1e6
         row[kind] = {"ms": value, "GB/s": gbs, "copy%": 100 * gbs / copy_gbs}
     key = "fwd+bwd" if "fwd+bwd" in ms else "fwd"
-    print(f"  {name:14s} {timing:10s} B={batch} T={steps:6d} D={dim}: {key} {ms[key]:8.3f} ms "
+    print(f"  {name:14s} {timing:10s} {dtype} B={batch} T={steps:6d} D={dim}: {key} {ms[key]:8.3f} ms "
           f"({row[key]['copy%']:5.1f}% of copy)", flush=True)  # fmt: skip
     return row
 
@@ -159,7 +162,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "torch.compile": compiled_gates_and_scan(),
         "pytorch-loop": lambda *t: rg_lru_ref(*t, C),
     }
-    impls.update(peer_scans())
+    impls.update(peer_scans(cuda=args.impls is None or "accelerated-scan-warp" in args.impls))
+    if args.impls is not None:
+        unknown = sorted(set(args.impls) - set(impls))
+        if unknown:
+            raise SystemExit(f"--impls: unknown {unknown}; known: {sorted(impls)}")
+        impls = {name: fn for name, fn in impls.items() if name in args.impls or name == "triton"}
     check, errors = make_inputs(2, 512, 96, torch.bfloat16, seed=1), {}
     for name, fn in list(impls.items()):
         if isinstance(fn, str):
@@ -173,14 +181,15 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         if not errors[name] <= MAX_REL_ERROR:  # NaN too
             impls[name] = f"wrong: relative error {errors[name]:.2e} against the float64 reference"
     steps_list = [512, 2048] if args.quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
-    shapes = [(8, t, 1024) for t in steps_list] + [(1, t, 2560) for t in steps_list]
+    shapes = args.shapes or [(8, t, 1024) for t in steps_list] + [(1, t, 2560) for t in steps_list]
+    cases = [(shape, dtype) for dtype in args.dtypes for shape in shapes]
     result = {"device": props.name, "copy": copy, "reference_errors": errors, "rows": [], "notes": {}}
     notes = result["notes"]
     notes.update({name: fn for name, fn in impls.items() if isinstance(fn, str)})
     forward_only: set[str] = set()
     compile_s = 0.0
-    for shape in shapes:
-        inputs = make_inputs(*shape, torch.bfloat16)
+    for shape, dtype in cases:
+        inputs = make_inputs(*shape, DTYPES[dtype])
         for name, fn in impls.items():
             if isinstance(fn, str) or (name == "pytorch-loop" and shape[1] > args.loop_max_t):
                 continue
@@ -205,17 +214,17 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     continue
             finally:
                 compile_s += time.time() - t0 if name == "torch.compile" else 0.0
-            result["rows"].append(_row(name, "eager", shape, ms, copy["GB/s"]))
+            result["rows"].append(_row(name, "eager", shape, dtype, ms, copy["GB/s"]))
         del inputs
         torch.cuda.empty_cache()
         save(args, {**result, "partial": True})
-    for shape in shapes:
+    for shape, dtype in cases:
         try:
-            ms = time_graphed(impls["triton"], make_inputs(*shape, torch.bfloat16), args.quick)
+            ms = time_graphed(impls["triton"], make_inputs(*shape, DTYPES[dtype]), args.quick)
         except Exception as err:
-            notes["triton cuda-graph"] = f"capture failed at {shape}: {_error(err)}"
+            notes["triton cuda-graph"] = f"capture failed at {shape} {dtype}: {_error(err)}"
             break
-        result["rows"].append(_row("triton", "cuda-graph", shape, ms, copy["GB/s"]))
+        result["rows"].append(_row("triton", "cuda-graph", shape, dtype, ms, copy["GB/s"]))
         save(args, {**result, "partial": True})
     if args.loop_max_t < max(steps_list):
         notes["pytorch-loop"] = f"timed up to T={args.loop_max_t} only (one Python step per token)"
@@ -231,12 +240,14 @@ def save(args: argparse.Namespace, result: dict) -> None:
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}; copy bandwidth {result['copy']['GB/s']:.0f} GB/s (read + write)")
-    print("| impl | timing | B | T | D | fwd ms | fwd GB/s | bwd ms | bwd GB/s | fwd+bwd ms | fwd+bwd GB/s | % copy |")
-    print("|---" * 12 + "|")
-    for r in sorted(result["rows"], key=lambda r: (-r["B"], r["T"], r["impl"], r["timing"])):
+    print("| impl | timing | dtype | B | T | D | fwd ms | fwd GB/s | bwd ms | bwd GB/s | fwd+bwd ms | fwd+bwd GB/s "
+          "| % copy |")
+    print("|---" * 13 + "|")
+    for r in sorted(result["rows"], key=lambda r: (r["dtype"], -r["B"], r["T"], r["impl"], r["timing"])):
         cells = [f"{r[k]['ms']:.3f} | {r[k]['GB/s']:.0f}" if k in r else "n/a | n/a" for k in ARRAYS]
         pct = f"{r['fwd+bwd']['copy%']:.0f}" if "fwd+bwd" in r else "n/a"
-        print(f"| {r['impl']} | {r['timing']} | {r['B']} | {r['T']} | {r['D']} | {' | '.join(cells)} | {pct} |")
+        head = f"| {r['impl']} | {r['timing']} | {r['dtype']} | {r['B']} | {r['T']} | {r['D']}"
+        print(f"{head} | {' | '.join(cells)} | {pct} |")
     for key, note in result["notes"].items():
         print(f"note: {key}: {note}")
 
@@ -307,6 +318,14 @@ def run_sweep(args: argparse.Namespace) -> dict:
     return {"device": torch.cuda.get_device_name(), "copy": copy, "sweep": results}
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        batch, steps, dim = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxTxD (e.g. 8x2048x1024)") from None
+    return batch, steps, dim
+
+
 def _rel(a: Tensor, b: Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -317,6 +336,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two sequence lengths, short timing runs")
     parser.add_argument("--sweep", action="store_true", help="time kernel configurations instead")
     parser.add_argument("--loop-max-t", type=int, default=2048, help="longest T for the Python-loop baseline")
+    parser.add_argument("--shapes", type=_shape, nargs="+", help="BxTxD cases (default: the Figure 9a set)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="input/output dtypes")
+    parser.add_argument("--impls", nargs="+", help="implementations besides triton (default: all; names are "
+                        "triton, torch.compile, pytorch-loop and benchmarks/scan_peers.py's)")
     parser.add_argument("--compile-budget-s", type=float, default=150.0, help="time cap of the torch.compile baseline")
     args = parser.parse_args()
     if not torch.cuda.is_available():

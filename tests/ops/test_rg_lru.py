@@ -25,11 +25,17 @@ def inputs(gen, B, T, lambdas, reset_p=0.1):
     return x, gate_x, gate_a, torch.tensor(lambdas, dtype=torch.float64), h0, reset
 
 
+def on_device(backend: str, *tensors):
+    """The tensors where ``backend`` runs: CUDA for Triton on a GPU machine (the interpreter runs CPU tensors)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    return [t.to(device) for t in tensors]
+
+
 def value_and_grads(fn, leaves, reset, dy, dh):
     leaves = [t.detach().clone().requires_grad_() for t in leaves]
     y, h_last = fn(*leaves[:4], 8.0, leaves[4], reset)
-    ((y.double() * dy).sum() + (h_last.double() * dh).sum()).backward()
-    return [y.detach(), h_last.detach()] + [t.grad for t in leaves]
+    ((y.double() * dy.to(y.device)).sum() + (h_last.double() * dh.to(y.device)).sum()).backward()
+    return [y.detach().cpu(), h_last.detach().cpu()] + [t.grad.cpu() for t in leaves]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -40,7 +46,8 @@ def test_gradients_at_extreme_decays_match_the_bounded_formula(gen, backend):
     dh = torch.randn(B, len(EXTREME_LAMBDAS), generator=gen, dtype=torch.float64)
     # float32 inputs for the backend; the float64 truth on the same (rounded) values.
     leaves32 = [t.float() for t in (x, gate_x, gate_a, lam, h0)]
-    got = value_and_grads(lambda *a: rg_lru(*a, backend=backend), leaves32, reset, dy, dh)
+    *where, reset_where = on_device(backend, *leaves32, reset)
+    got = value_and_grads(lambda *a: rg_lru(*a, backend=backend), where, reset_where, dy, dh)
     truth = value_and_grads(rg_lru_formula, [t.double() for t in leaves32], reset, dy, dh)
     names = ["y", "h_last", "dx", "dgate_x", "dgate_a", "dLambda", "dh0"]
     for name, g, t in zip(names, got, truth, strict=True):
@@ -58,7 +65,8 @@ def test_bfloat16_inputs_keep_the_recurrence_in_float32(gen, backend, steps):
     lambdas = [-200.0, -9.0, -7.0, -5.0, -3.0, 0.0, 3.0] * 8  # a from 1 through 0.9999, 0.999 ... to 0.05
     x, gate_x, gate_a, lam, h0, reset = inputs(gen, 4, steps, lambdas, reset_p=0.0 if steps == 1 else 0.1)
     leaves = [t.bfloat16() for t in (x, gate_x, gate_a, lam)] + [h0.float()]
-    y, h_last = rg_lru(*leaves[:4], 8.0, leaves[4], reset, backend=backend)
+    x_, gate_x_, gate_a_, lam_, h0_, reset_ = on_device(backend, *leaves, reset)
+    y, h_last = (t.cpu() for t in rg_lru(x_, gate_x_, gate_a_, lam_, 8.0, h0_, reset_, backend=backend))
     truth_y, truth_h = rg_lru_formula(*(t.double() for t in leaves[:4]), 8.0, leaves[4].double(), reset)
     assert y.dtype == torch.bfloat16 and h_last.dtype == torch.float32
     # One rounding to bfloat16 (2^-9), with margin. Triton's interpreter truncates float32 -> bfloat16 (a GPU rounds

@@ -31,8 +31,9 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # Per-element errors (tests.conftest.max_relative_error), so that one unwritten (row, t) slice fails (it errs by ~1):
 # bf16 outputs and gradients are rounded to bf16 (2^-9 relative) after float32 arithmetic on the same bf16 inputs and
 # the same bf16 dy as the reference (up to 7.2e-3 seen over 19 seeds of every case); float32 runs see approximate
-# exp/rcp/sqrt (a few ulp) and cancellation in the gate gradients (up to 1.1e-4 seen).
-TOL = {torch.float32: 3e-4, torch.bfloat16: 2e-2}
+# exp/rcp/sqrt (a few ulp) and cancellation in the gate gradients (up to 1.1e-4 seen on an H100, 3.3e-4 in dgate_a on
+# an H200 at full size).
+TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 
 
 def _inputs(gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtype, h0: bool, reset: str):
@@ -177,3 +178,13 @@ def test_torch_compile_and_cuda_graph(gen) -> None:
         dst.copy_(src)
     graph.replay()
     torch.testing.assert_close(y_graph, rg_lru_triton(*static, 8.0, init, starts)[0], rtol=0, atol=0)
+
+
+def test_host_tensors_are_refused_before_a_compiled_launch(gen, monkeypatch) -> None:
+    """Outside the interpreter the kernels read device memory only: a CPU tensor is named at once, not in the
+    launcher (which says "Pointer argument (at 0) cannot be accessed from Triton")."""
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    tensors, init, starts = _inputs(gen, (1, 5, 16), torch.float32, h0=True, reset="random")
+    tensors = [t.cpu() for t in tensors]
+    with pytest.raises(ValueError, match="rg_lru_triton: x is on cpu, but the Triton kernel runs on CUDA"):
+        rg_lru_triton(*tensors, 8.0, init.cpu(), starts.cpu())

@@ -494,6 +494,12 @@ def rg_lru_triton(
     one chunk); 0 lets :func:`select_config` choose per shape and direction.
     """
     check_rg_lru_inputs(x, gate_x, gate_a, a_param)
+    if not triton.knobs.runtime.interpret:  # compiled kernels read device memory only: refuse host tensors here
+        for name, t in (("x", x), ("gate_x", gate_x), ("gate_a", gate_a), ("a_param", a_param), ("h0", h0),
+                        ("reset", reset)):
+            if t is not None and not t.is_cuda:
+                raise ValueError(f"rg_lru_triton: {name} is on {t.device}, but the Triton kernel runs on CUDA tensors "
+                                 f"(TRITON_INTERPRET=1 runs it on the CPU, slowly; backend='cpu' is the CPU kernel)")
     # log2 a_t = log2_scale * r_t; autograd carries dL/dlog2_scale on to a_param
     scale = (-c * math.log2(math.e)) * F.softplus(a_param.float())
     if h0 is not None:
