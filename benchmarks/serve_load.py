@@ -21,6 +21,12 @@ without the prefix-state cache.
 6. **Multi-turn chat**: one conversation (a long system prompt, then user turns with the replies kept in the
    history) against the server with its prefix cache and with ``--prefix-cache-mb 0``: time to first token against
    the prompt's length.
+7. **Few-shot** (``--workloads fewshot`` runs it alone): a shared preamble of ``--fewshot-preamble`` tokens (bytes of
+   the corpus) followed by each of ``--fewshot-questions`` distinct questions, greedy completions sent by
+   ``--fewshot-concurrency`` closed-loop clients, against a server with block prefix states (``--prefix-block``, the
+   server's default unless given) and one with ``--prefix-block 0`` (states only at prompt ends, which no other
+   question extends): time to first token, prompt tokens computed (the server's
+   ``griffin_prompt_tokens_computed_total``), and whether the two give the same outputs.
 
 Numbers: requests/s, output tokens/s, time to first token (TTFT), time per output token after the first (TPOT, per
 request: (end - first token) / (tokens - 1)), request latency; medians over requests. Everything runs on this
@@ -29,6 +35,7 @@ does).
 
     python benchmarks/serve_load.py                     # about 10 minutes on 2 cores
     python benchmarks/serve_load.py --quick             # a smoke run (tests)
+    python benchmarks/serve_load.py --workloads fewshot # the few-shot workload alone
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from griffin.interop import export_hf, save_pretrained
 from griffin.model import CausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, median_time, table, write_json  # noqa: E402
+from common import machine_info, median_time, sync, table, write_json  # noqa: E402
 
 
 # Model and workload -------------------------------------------------------------------------------------------------
@@ -109,6 +116,7 @@ class Timing:
     end: float
     tokens: int
     cached: int = 0
+    text: str = ""
 
     @property
     def ttft(self) -> float:
@@ -172,7 +180,7 @@ async def post_events(port: int, path: str, body: dict[str, Any]) -> Any:
 
 async def stream_request(port: int, path: str, body: dict[str, Any], t0: float) -> Timing:
     sent = time.perf_counter() - t0
-    first, tokens, cached = None, 0, 0
+    first, tokens, cached, text = None, 0, 0, ""
     async for when, event in post_events(port, path, {**body, "stream": True,
                                                       "stream_options": {"include_usage": True}}):
         if "error" in event:
@@ -180,11 +188,12 @@ async def stream_request(port: int, path: str, body: dict[str, Any], t0: float) 
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
             cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        elif first is None and event["choices"] and (event["choices"][0].get("text")
-                                                      or (event["choices"][0].get("delta") or {}).get("content")):
-            first = when - t0
+        elif event["choices"] and (piece := event["choices"][0].get("text")
+                                   or (event["choices"][0].get("delta") or {}).get("content")):
+            first = when - t0 if first is None else first
+            text += piece
     end = time.perf_counter() - t0
-    return Timing(sent, end if first is None else first, end, tokens, cached)
+    return Timing(sent, end if first is None else first, end, tokens, cached, text)
 
 
 async def closed_loop(port: int, requests: list[Req], concurrency: int) -> tuple[list[Timing], float]:
@@ -257,7 +266,7 @@ def run_hf(hf: Any, requests: list[Req]) -> list[dict[str, float]]:
     """Each request alone through HF's ``generate``: service time, time to first token, tokens."""
     out = []
     for req in requests:
-        ids = torch.tensor([list(req.prompt.encode())])
+        ids = torch.tensor([list(req.prompt.encode())], device=hf.device)
         stamps = Stamps()
         start = time.perf_counter()
         with torch.no_grad():
@@ -315,9 +324,9 @@ def decode_step_ms(model: CausalLM, sizes: list[int], repeats: int) -> dict[int,
     for b in sizes:
         cache = model.init_cache(b)
         with torch.no_grad():
-            model(torch.randint(0, 256, (b, 8)), cache=cache)
-        decoder, tokens = Decoder(model, cache), torch.zeros(b, dtype=torch.long)
-        out[b] = 1e3 * median_time(lambda d=decoder, t=tokens: d(t), repeats)
+            model(torch.randint(0, 256, (b, 8), device=model.device), cache=cache)
+        decoder, tokens = Decoder(model, cache), torch.zeros(b, dtype=torch.long, device=model.device)
+        out[b] = 1e3 * median_time(lambda d=decoder, t=tokens: (d(t), sync(t.device)), repeats)
     return out
 
 
@@ -346,6 +355,84 @@ async def chat_session(port: int, system: str, turns: list[str], max_tokens: int
     return out
 
 
+# Few-shot: a shared preamble, distinct questions ------------------------------------------------------------------
+def fewshot_requests(args: argparse.Namespace, text: str) -> list[Req]:
+    """The preamble (the corpus' first bytes), then a distinct question (a snippet of 48-96 bytes from further on)
+    per request."""
+    preamble, rng = text[: args.fewshot_preamble], random.Random(args.seed + 1)
+    out = []
+    for i in range(args.fewshot_questions):
+        n = rng.randint(48, 96)
+        start = rng.randrange(args.fewshot_preamble, len(text) - n)
+        question = f"\n# Question {i + 1}: {text[start : start + n]}\n# Answer:"
+        out.append(Req(preamble + question, args.fewshot_max_tokens))
+    return out
+
+
+def server_metric(port: int, name: str) -> float:
+    """One value of the server's ``/metrics``."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    body = conn.getresponse().read().decode()
+    conn.close()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(f"{name} is not in /metrics")
+
+
+def run_fewshot(checkpoint: Path, text: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The few-shot requests against a server with block prefix states and one without (``--prefix-block 0``)."""
+    requests = fewshot_requests(args, text)
+    placement = ["--device", getattr(args, "device", "cpu"), "--dtype", getattr(args, "dtype", "float32")]
+    out: dict[str, Any] = {}
+    texts = {}
+    for key, block in (("blocks", args.prefix_block), ("no_blocks", 0)):
+        flags = ["--max-batch-size", str(args.max_batch), *placement]
+        flags += [] if block is None else ["--prefix-block", str(block)]
+        server = ServerProcess(checkpoint, *flags, threads=args.threads)
+        try:
+            asyncio.run(closed_loop(server.port, [Req(text[-300:], 2)], 1))  # warm-up: shares nothing
+            before = server_metric(server.port, "griffin_prompt_tokens_computed_total")
+            timings, wall = asyncio.run(closed_loop(server.port, requests, args.fewshot_concurrency))
+            computed = server_metric(server.port, "griffin_prompt_tokens_computed_total") - before
+        finally:
+            server.close()
+        texts[key] = [t.text for t in timings]
+        out[key] = dict(prefix_block=block, prompt_tokens=sum(len(r.prompt.encode()) for r in requests),
+                        prompt_tokens_computed=computed, cached_tokens=sum(t.cached for t in timings),
+                        ttft_med_s=statistics.median(t.ttft for t in timings),
+                        ttft_first_s=timings[0].ttft, ttft_after_first_med_s=statistics.median(
+                            t.ttft for t in timings[1:]) if len(timings) > 1 else timings[0].ttft,
+                        latency_med_s=statistics.median(t.latency for t in timings), wall_s=wall)
+        print(f"few-shot, --prefix-block {'default' if block is None else block}: {computed:.0f} prompt tokens "
+              f"computed, median TTFT {1e3 * out[key]['ttft_med_s']:.0f} ms")
+    out.update(requests=len(requests), preamble_tokens=args.fewshot_preamble, concurrency=args.fewshot_concurrency,
+               equal_outputs=texts["blocks"] == texts["no_blocks"],
+               computed_ratio=out["no_blocks"]["prompt_tokens_computed"] / max(out["blocks"]["prompt_tokens_computed"],
+                                                                                1),
+               ttft_med_ratio=out["no_blocks"]["ttft_med_s"] / out["blocks"]["ttft_med_s"])
+    return out
+
+
+def fewshot_table(fewshot: dict[str, Any]) -> str:
+    rows = [dict(what=what, a=a, b=b, ratio=b / max(a, 1e-12)) for what, a, b in (
+        ("prompt tokens computed", fewshot["blocks"]["prompt_tokens_computed"],
+         fewshot["no_blocks"]["prompt_tokens_computed"]),
+        ("median TTFT (ms)", 1e3 * fewshot["blocks"]["ttft_med_s"], 1e3 * fewshot["no_blocks"]["ttft_med_s"]),
+        ("first request's TTFT (ms)", 1e3 * fewshot["blocks"]["ttft_first_s"],
+         1e3 * fewshot["no_blocks"]["ttft_first_s"]),
+        ("median latency (ms)", 1e3 * fewshot["blocks"]["latency_med_s"], 1e3 * fewshot["no_blocks"]["latency_med_s"]),
+        ("wall (s)", fewshot["blocks"]["wall_s"], fewshot["no_blocks"]["wall_s"]))]
+    block = fewshot["blocks"]["prefix_block"]
+    return (f"few-shot: {fewshot['requests']} questions after a {fewshot['preamble_tokens']}-token preamble, "
+            f"{fewshot['concurrency']} clients; equal outputs: {fewshot['equal_outputs']}\n"
+            + table(rows, [("", "what", "s"), (f"block states ({'default' if block is None else block})", "a", ".1f"),
+                           ("--prefix-block 0", "b", ".1f"), ("ratio", "ratio", ".1f")]))
+
+
 # Main ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Results:
@@ -356,6 +443,7 @@ class Results:
     hf_alone: dict[str, float] = field(default_factory=dict)
     decode_step_ms: dict[int, float] = field(default_factory=dict)
     chat: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    fewshot: dict[str, Any] = field(default_factory=dict)
 
 
 def plot(results: Results, path: Path) -> None:
@@ -370,6 +458,8 @@ def plot(results: Results, path: Path) -> None:
     for key, name, style in (("serve", "griffin serve (continuous)", "o-"), ("static", "griffin static batching",
                                                                               "s--"),
                              ("hf", "HF generate, one at a time", "^:")):
+        if any(r[key] is None for r in levels):  # --no-static
+            continue
         axes[0].plot(cs, [r[key]["tok_per_s"] for r in levels], style, label=name)
         axes[1].plot(cs, [r[key]["latency_med_s"] for r in levels], style, label=name)
     axes[0].set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
@@ -410,6 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-turn-bytes", type=int, default=300)
     p.add_argument("--chat-max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the server and of the peers")
+    p.add_argument("--device", default="cpu", help="torch device of the server and of the peers")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights' dtype for the server and the peers")
+    p.add_argument("--quantize", choices=("int8",), default=None,
+                   help="griffin serve --quantize: the server's weights in int8 (the peers keep --dtype)")
+    p.add_argument("--no-chat", action="store_true", help="leave out the multi-turn chat of the load workload")
+    p.add_argument("--no-static", action="store_true", help="leave out griffin's static batching (in-process)")
+    p.add_argument("--workloads", nargs="+", choices=("load", "fewshot"), default=["load", "fewshot"],
+                   help="load: the concurrency levels against HF and static batching, and the chat; fewshot: a "
+                        "shared preamble with distinct questions, with and without block prefix states")
+    p.add_argument("--fewshot-preamble", type=int, default=2000, help="tokens (bytes) of the shared preamble")
+    p.add_argument("--fewshot-questions", type=int, default=64)
+    p.add_argument("--fewshot-max-tokens", type=int, default=16)
+    p.add_argument("--fewshot-concurrency", type=int, default=1, help="closed-loop clients of the few-shot workload")
+    p.add_argument("--prefix-block", type=int, default=None,
+                   help="griffin serve --prefix-block of the few-shot run with block states (default: the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a tiny model and workload (a smoke test)")
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
@@ -420,34 +526,46 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency, args.requests, args.hf_requests = [1, 4], 8, 3
         args.prompt_max, args.out_min, args.out_max, args.max_batch = 40, 4, 12, 4
         args.chat_system, args.chat_turns, args.chat_turn_bytes, args.chat_max_tokens = 100, 3, 40, 4
+        args.fewshot_preamble, args.fewshot_questions, args.fewshot_max_tokens = 300, 6, 4
     torch.set_num_threads(args.threads)
     import transformers
 
     config = bench_config(args)
     torch.manual_seed(args.seed)
     model = CausalLM(config).eval()
-    results = Results(machine_info(torch.device("cpu")), vars(args),
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    results = Results(machine_info(device), vars(args),
                       dict(config=config.to_dict(), parameters=model.num_parameters()))
     text = corpus_text()
     pool = make_pool(args, text)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, hf_dir = Path(tmp) / "griffin", Path(tmp) / "hf"
         save_pretrained(model, ckpt)
+        if "fewshot" in args.workloads:
+            results.fewshot = run_fewshot(ckpt, text, args)
+        if "load" not in args.workloads:
+            print(fewshot_table(results.fewshot))
+            write_json(args.out, asdict(results))
+            return 0
         export_hf(model, hf_dir)
-        hf = transformers.RecurrentGemmaForCausalLM.from_pretrained(hf_dir).eval()
+        hf = transformers.RecurrentGemmaForCausalLM.from_pretrained(hf_dir).eval().to(device, dtype)
+        model.to(device, dtype)
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
         probe = list(pool[0].prompt.encode())
         ours = generate(model, [probe], 24, temperature=0)[0]
         with torch.no_grad():
-            theirs = hf.generate(torch.tensor([probe]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
+            theirs = hf.generate(torch.tensor([probe], device=device), do_sample=False, max_new_tokens=24,
+                                 min_new_tokens=24)
         agreement = sum(a == b for a, b in zip(ours, theirs[0, len(probe):].tolist(), strict=True)) / 24
         results.model["hf_greedy_agreement"] = agreement
         print(f"model: {model.num_parameters():,} parameters; HF greedy tokens agree with griffin's: "
               f"{agreement:.0%}")
 
         # griffin serve: every concurrency level, then the chat with the prefix cache
-        server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), threads=args.threads)
+        placement = ("--device", args.device, "--dtype", args.dtype,
+                     *(("--quantize", args.quantize) if args.quantize else ()))
+        server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), *placement, threads=args.threads)
         serve_runs = {}
         try:
             asyncio.run(closed_loop(server.port, pool[:4], 4))  # warm-up
@@ -461,16 +579,19 @@ def main(argv: list[str] | None = None) -> int:
             system = text[:args.chat_system]
             turns = [text[10_000 + i * args.chat_turn_bytes : 10_000 + (i + 1) * args.chat_turn_bytes]
                      for i in range(args.chat_turns)]
-            results.chat["cache"] = asyncio.run(chat_session(server.port, system, turns, args.chat_max_tokens))
+            if not args.no_chat:
+                results.chat["cache"] = asyncio.run(chat_session(server.port, system, turns, args.chat_max_tokens))
         finally:
             server.close()
-        server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), "--prefix-cache-mb", "0",
-                               threads=args.threads)
-        try:
-            asyncio.run(chat_session(server.port, text[:64], turns[:1], 2))  # warm-up
-            results.chat["no_cache"] = asyncio.run(chat_session(server.port, system, turns, args.chat_max_tokens))
-        finally:
-            server.close()
+        if not args.no_chat:
+            server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), "--prefix-cache-mb", "0",
+                                   *placement, threads=args.threads)
+            try:
+                asyncio.run(chat_session(server.port, text[:64], turns[:1], 2))  # warm-up
+                results.chat["no_cache"] = asyncio.run(chat_session(server.port, system, turns,
+                                                                    args.chat_max_tokens))
+            finally:
+                server.close()
 
         # the peers, in this process, while no server runs
         hf_services = run_hf(hf, pool[: args.hf_requests])
@@ -487,14 +608,14 @@ def main(argv: list[str] | None = None) -> int:
         print("decode step ms by batch: " + ", ".join(f"B={b}: {t:.2f}" for b, t in results.decode_step_ms.items()))
         for c in args.concurrency:
             n = min(len(pool), max(16, 2 * c)) if not args.quick else len(pool)
-            static, wall = run_static(model, pool[:n], c)
+            static = None if args.no_static else summarize(*run_static(model, pool[:n], c))
             hf_timings, hf_wall = simulate_one_at_a_time(hf_services, n, c)
             hf_row = summarize(hf_timings, hf_wall)
             hf_row["tok_per_s"] = results.hf_alone["tok_per_s"]  # measured, not simulated
             hf_row["req_per_s"] = len(hf_services) / hf_time
-            row = dict(concurrency=c, serve=serve_runs[c], static=summarize(static, wall), hf=hf_row)
+            row = dict(concurrency=c, serve=serve_runs[c], static=static, hf=hf_row)
             row["throughput_vs_hf"] = row["serve"]["tok_per_s"] / hf_row["tok_per_s"]
-            row["throughput_vs_static"] = row["serve"]["tok_per_s"] / row["static"]["tok_per_s"]
+            row["throughput_vs_static"] = row["serve"]["tok_per_s"] / static["tok_per_s"] if static else math.nan
             results.levels.append(row)
 
     results.machine["load_average_end"] = os.getloadavg()
@@ -504,18 +625,23 @@ def main(argv: list[str] | None = None) -> int:
             ("static lat s", "static_lat", ".2f"), ("HF lat s", "hf_lat", ".2f"),
             ("serve TTFT ms", "serve_ttft", ".0f"), ("serve TPOT ms", "serve_tpot", ".1f"),
             ("HF TPOT ms", "hf_tpot", ".1f")]
-    flat = [dict(concurrency=r["concurrency"], serve_tok=r["serve"]["tok_per_s"], static_tok=r["static"]["tok_per_s"],
+    none = dict(tok_per_s=math.nan, latency_med_s=math.nan)
+    flat = [dict(concurrency=r["concurrency"], serve_tok=r["serve"]["tok_per_s"],
+                 static_tok=(r["static"] or none)["tok_per_s"],
                  hf_tok=r["hf"]["tok_per_s"], throughput_vs_hf=r["throughput_vs_hf"],
                  throughput_vs_static=r["throughput_vs_static"], serve_lat=r["serve"]["latency_med_s"],
-                 static_lat=r["static"]["latency_med_s"], hf_lat=r["hf"]["latency_med_s"],
+                 static_lat=(r["static"] or none)["latency_med_s"], hf_lat=r["hf"]["latency_med_s"],
                  serve_ttft=1e3 * r["serve"]["ttft_med_s"], serve_tpot=r["serve"]["tpot_med_ms"],
                  hf_tpot=r["hf"]["tpot_med_ms"]) for r in results.levels]
     print(table(flat, cols))
-    chat_rows = [dict(turn=i + 1, tokens=a["prompt_tokens"], cached=a["cached_tokens"], on=1e3 * a["ttft_s"],
-                      off=1e3 * b["ttft_s"]) for i, (a, b) in enumerate(zip(results.chat["cache"],
-                                                                             results.chat["no_cache"], strict=True))]
-    print(table(chat_rows, [("turn", "turn", "d"), ("prompt tokens", "tokens", "d"), ("cached", "cached", "d"),
-                            ("TTFT cache on ms", "on", ".0f"), ("TTFT cache off ms", "off", ".0f")]))
+    if results.chat:
+        chat_rows = [dict(turn=i + 1, tokens=a["prompt_tokens"], cached=a["cached_tokens"], on=1e3 * a["ttft_s"],
+                          off=1e3 * b["ttft_s"])
+                     for i, (a, b) in enumerate(zip(results.chat["cache"], results.chat["no_cache"], strict=True))]
+        print(table(chat_rows, [("turn", "turn", "d"), ("prompt tokens", "tokens", "d"), ("cached", "cached", "d"),
+                                ("TTFT cache on ms", "on", ".0f"), ("TTFT cache off ms", "off", ".0f")]))
+    if results.fewshot:
+        print(fewshot_table(results.fewshot))
     write_json(args.out, asdict(results))
     if args.figure:
         plot(results, Path(args.figure))

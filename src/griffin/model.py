@@ -164,7 +164,7 @@ class CausalLM(nn.Module):
         """The cache belongs to this model, holds ``batch_size`` rows and has room for ``tokens`` more."""
         if not isinstance(cache, Cache):
             raise TypeError(f"cache must be a griffin.Cache, got {type(cache).__name__}")
-        if cache.config.replace(name="") != self.config.replace(name=""):
+        if cache.config is not self.config and cache.config.replace(name="") != self.config.replace(name=""):
             raise ValueError("the cache was made for a different model config")
         if cache.batch_size != batch_size:
             raise ValueError(f"the cache holds {cache.batch_size} rows but input_ids has {batch_size}")

@@ -1,5 +1,6 @@
 """``benchmarks/serve_load.py --quick`` end to end: a tiny model behind ``griffin serve`` (subprocesses), HF's
-``generate`` and static batching on the same weights, the multi-turn chat with and without the prefix cache."""
+``generate`` and static batching on the same weights, the multi-turn chat with and without the prefix cache, the
+few-shot workload with and without block prefix states."""
 
 from __future__ import annotations
 
@@ -24,4 +25,7 @@ def test_serve_load_benchmark_runs_every_system_on_the_same_weights(tmp_path):
     assert [t["prompt_tokens"] for t in cache] == [t["prompt_tokens"] for t in no_cache]
     assert cache[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in cache[1:])
     assert all(t["cached_tokens"] == 0 for t in no_cache)
+    fewshot = results["fewshot"]  # block prefix states: the shared preamble is read once, the outputs are the same
+    assert fewshot["equal_outputs"] and fewshot["blocks"]["cached_tokens"] > 0
+    assert fewshot["blocks"]["prompt_tokens_computed"] < fewshot["no_blocks"]["prompt_tokens_computed"]
     assert (tmp_path / "f.png").stat().st_size > 0

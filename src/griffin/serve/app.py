@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -38,6 +38,7 @@ from griffin.serve.engine import (
     RequestOutput,
     Update,
 )
+from griffin.serve.grammar import GrammarError
 from griffin.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -66,9 +67,14 @@ class Server:
     """The app's state and handlers: the engine, the tokenizer, the chat template, the served model's name."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, chat_template: ChatTemplate | None = None,
-                 default_max_tokens: int = 256, add_bos: bool = True) -> None:
+                 default_max_tokens: int = 256, add_bos: bool = True,
+                 adapter_templates: Mapping[str, ChatTemplate] | None = None) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.chat_template = chat_template or ChatTemplate(tokenizer, None, add_bos)
+        # the engine's LoRA adapters, by the model name that picks them, each with its chat template (default: the
+        # base's)
+        names = engine.adapters.names if engine.adapters is not None else []
+        self.adapter_templates = {name: (adapter_templates or {}).get(name, self.chat_template) for name in names}
         self.default_max_tokens = default_max_tokens
         self.bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
         self.created = now()
@@ -93,11 +99,25 @@ class Server:
             parsed = model.model_validate(data)
         except ValidationError as err:
             raise validation_error(err) from err
-        if getattr(parsed, "model", None) not in (None, self.model_name):
-            raise APIError(404, f"the model `{parsed.model}` does not exist: this server serves `{self.model_name}`",
+        if getattr(parsed, "model", None) not in (None, self.model_name, *self.adapter_templates):
+            served = ", ".join(f"`{m}`" for m in (self.model_name, *self.adapter_templates))
+            raise APIError(404, f"the model `{parsed.model}` does not exist: this server serves {served}",
                            param="model", code="model_not_found")
         parsed.unsupported()
         return parsed
+
+    def served(self, req: Any) -> str:
+        """The model a (parsed) request asks for: the base model's name, or a LoRA adapter's."""
+        return getattr(req, "model", None) or self.model_name
+
+    def adapter_of(self, req: Any) -> str | None:
+        """The LoRA adapter a request picks with its model field (None: the base model)."""
+        model = getattr(req, "model", None)
+        return model if model in self.adapter_templates else None
+
+    def template_for(self, req: Any) -> ChatTemplate:
+        """The chat template of the model a request picks: an adapter's own, else the base's."""
+        return self.adapter_templates.get(self.adapter_of(req), self.chat_template)
 
     def encode(self, prompt: str | list[int], index: int) -> list[int]:
         if isinstance(prompt, str):
@@ -108,13 +128,16 @@ class Server:
             raise APIError(400, f"prompt {index} is empty: give at least one token", param="prompt")
         return prompt
 
-    def submit(self, prompts: list[list[int]], params, timeout: float | None) -> list[RequestHandle]:
-        """Queue one engine request per prompt (all or none)."""
+    def submit(self, prompts: list[list[int]], params, timeout: float | None,
+               adapter: str | None = None) -> list[RequestHandle]:
+        """Queue one engine request per prompt (all or none), on the LoRA adapter ``adapter`` (None: the base)."""
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error")
         for i, p in enumerate(prompts):
             try:
                 self.engine.check(p, params)
+            except GrammarError as err:  # a schema llguidance cannot compile (400), or no llguidance (501)
+                raise APIError(err.status, str(err), param="response_format") from err
             except ValueError as err:
                 param = "max_tokens" if "max_tokens" in str(err) else "prompt"
                 raise APIError(400, f"prompt {i}: {err}" if len(prompts) > 1 else str(err), param=param) from err
@@ -122,7 +145,7 @@ class Server:
         handles: list[RequestHandle] = []
         try:
             for p in prompts:
-                handles.append(self.engine.submit(p, params, loop=loop, timeout=timeout))
+                handles.append(self.engine.submit(p, params, loop=loop, timeout=timeout, adapter=adapter))
         except QueueFull as err:
             for h in handles:
                 h.cancel()
@@ -156,7 +179,11 @@ class Server:
         except RequestFailed as err:
             raise APIError(err.status, str(err), type="server_error") from err
         finally:
-            task.cancel()
+            if not task.done():
+                task.cancel()
+                # a cancelled gather ends with a CancelledError that nobody awaits: retrieve it, or asyncio logs an
+                # ERROR with a traceback ("exception was never retrieved") for every client that went away
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
             for h in handles:
                 h.cancel()
 
@@ -193,7 +220,7 @@ class Server:
         if max_tokens < 0:
             raise APIError(400, f"max_tokens={max_tokens} must be >= 0", param="max_tokens")
         params = req.sampling(max_tokens, req.logprobs, prompt_logprobs=req.echo and req.logprobs is not None)
-        handles = self.submit(prompts, params, req.timeout)
+        handles = self.submit(prompts, params, req.timeout, self.adapter_of(req))
         cid, created = new_id("cmpl"), now()
         echo_texts = [t if isinstance(t, str) else clean(decode(self.tokenizer, p))
                       for t, p in zip(texts, prompts, strict=True)]
@@ -219,7 +246,7 @@ class Server:
                     text = echo_texts[k] + text
                 choices.append({"index": k * req.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason})
-        body = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+        body = {"id": cid, "object": "text_completion", "created": created, "model": self.served(req),
                 "choices": choices,
                 "usage": usage(sum(map(len, prompts)), completion_tokens, sum(r.prefix_hit for r in results))}
         return JSONResponse(body)
@@ -245,7 +272,7 @@ class Server:
                         lps[index] = CompletionLogprobs(self.token_text)
                         offsets[index] = lps[index].add(update.prompt_logprobs or [], 0)
                         body = lps[index].body()
-                    yield sse(completion_chunk(cid, created, self.model_name, index, echo_texts[k], body, None))
+                    yield sse(completion_chunk(cid, created, self.served(req), index, echo_texts[k], body, None))
             for c in update.choices:
                 index = k * n + c.index
                 completion_tokens += len(c.token_ids)
@@ -255,16 +282,16 @@ class Server:
                     offsets[index] = lp.add(c.logprobs or [], offsets.get(index, 0))
                     body = lp.body()
                 if c.text or c.finish_reason or body:
-                    yield sse(completion_chunk(cid, created, self.model_name, index, c.text, body, c.finish_reason))
+                    yield sse(completion_chunk(cid, created, self.served(req), index, c.text, body, c.finish_reason))
         if req.include_usage:
-            yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+            yield sse({"id": cid, "object": "text_completion", "created": created, "model": self.served(req),
                        "choices": [], "usage": usage(sum(map(len, prompts)), completion_tokens,
                                                      sum(h.prefix_hit for h in handles))})
         yield sse("[DONE]")
 
     def chat_params(self, req: ChatCompletionRequest) -> tuple[list[int], Any]:
         try:
-            ids, boundaries = self.chat_template(req.messages)
+            ids, boundaries = self.template_for(req)(req.messages)
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         max_tokens = req.requested_max_tokens
@@ -275,14 +302,15 @@ class Server:
         if max_tokens < 0:
             raise APIError(400, f"max_tokens={max_tokens} must be >= 0", param="max_tokens")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling(max_tokens, logprobs, False, stops=self.chat_template.stop,
-                              boundaries=tuple(boundaries))
+        # with a response_format the grammar ends the turn: the template's stop strings could cut a JSON string
+        stops = () if req.grammar() is not None else self.template_for(req).stop
+        params = req.sampling(max_tokens, logprobs, False, stops=stops, boundaries=tuple(boundaries))
         return ids, params
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         ids, params = self.chat_params(req)
-        handles = self.submit([ids], params, req.timeout)
+        handles = self.submit([ids], params, req.timeout, self.adapter_of(req))
         cid, created = new_id("chatcmpl"), now()
         if req.stream:
             return StreamingResponse(self.stream_chat(req, handles, len(ids), cid, created),
@@ -297,7 +325,7 @@ class Server:
                   if req.logprobs else None)
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": lp, "finish_reason": c.finish_reason})
-        body = {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": self.served(req),
                 "choices": choices,
                 "usage": usage(len(ids), sum(len(c.token_ids) for c in result.choices), result.prefix_hit)}
         return JSONResponse(body)
@@ -305,7 +333,7 @@ class Server:
     async def stream_chat(self, req: ChatCompletionRequest, handles: list[RequestHandle], prompt_tokens: int,
                           cid: str, created: int) -> AsyncIterator[str]:
         for j in range(req.n):
-            yield sse(chat_chunk(cid, created, self.model_name, j, {"role": "assistant", "content": ""}, None, None))
+            yield sse(chat_chunk(cid, created, self.served(req), j, {"role": "assistant", "content": ""}, None, None))
         completion_tokens = 0
         async for _, update in self.merged(handles):
             if update.error:
@@ -318,18 +346,20 @@ class Server:
                 if req.logprobs and c.logprobs:
                     lp = {"content": chat_logprobs(c.logprobs, self.token_text, self.token_bytes)}
                 if c.text or lp:
-                    yield sse(chat_chunk(cid, created, self.model_name, c.index, {"content": c.text}, lp, None))
+                    yield sse(chat_chunk(cid, created, self.served(req), c.index, {"content": c.text}, lp, None))
                 if c.finish_reason:
-                    yield sse(chat_chunk(cid, created, self.model_name, c.index, {}, None, c.finish_reason))
+                    yield sse(chat_chunk(cid, created, self.served(req), c.index, {}, None, c.finish_reason))
         if req.include_usage:
-            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served(req),
                        "choices": [], "usage": usage(prompt_tokens, completion_tokens, handles[0].prefix_hit)})
         yield sse("[DONE]")
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "griffin",
-                "max_model_len": self.engine.max_length}
-        return JSONResponse({"object": "list", "data": [card]})
+                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_length}
+        # each LoRA adapter served, with the base as its parent (as vLLM lists them)
+        adapters = [{**card, "id": name, "root": name, "parent": self.model_name} for name in self.adapter_templates]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request: Request) -> Response:
         if self.closing:
@@ -342,7 +372,8 @@ class Server:
     async def tokenize(self, request: Request) -> Response:
         data = await self.parse_object(request)
         if "messages" in data:
-            ids, _ = self.chat_template(data["messages"])
+            template = self.adapter_templates.get(data.get("model"), self.chat_template)
+            ids, _ = template(data["messages"])
         elif isinstance(data.get("prompt"), str):
             ids = (self.bos if data.get("add_special_tokens", False) else []) + self.tokenizer.encode(data["prompt"])
         else:

@@ -7,10 +7,19 @@
   tokens, at most about ``prefill_chunk`` tokens per engine step, interleaved with the decode steps of the running
   rows (a long prompt does not stall them). Then its state is written into a free row (:meth:`Cache.insert`),
   ``n`` times for ``n`` choices, and its first token is sampled from the prefill's last logits.
-- **Prefix states.** After the chunk that ends at one of the prompt's boundaries (the end of a chat turn, the end of
-  the prompt) the one-row state is kept in the :class:`griffin.serve.prefix_cache.PrefixCache`; a request whose prompt
-  extends a kept prefix starts from a copy of it. Prompts are always split at their boundaries (and every
-  ``prefill_chunk`` tokens after one), cached or not, so a request computes the same whether it hits or not.
+- **Prefix states.** After the chunk that ends at one of the prompt's anchors (every multiple of ``prefix_block``
+  tokens, the end of a chat message, the end of the prompt) the one-row state is kept in the
+  :class:`griffin.serve.prefix_cache.PrefixCache`, a radix tree of ``prefix_block``-token blocks; a request starts
+  from a copy of the state after its longest cached prefix, looked up when its prefill begins (so requests that
+  arrive together find the states the one before them stored). Prompts are always split at their anchors (and every
+  ``prefill_chunk`` tokens after one), cached or not, so the same prompt is cut at the same places from any cached
+  anchor and a hit computes exactly what a cold request does. A state is stored at every block boundary: the block
+  size is the trade-off (``cache.nbytes()`` per state and a forward pass per block against the prefix tokens a
+  request may fail to reuse, at most B - 1).
+- **LoRA adapters.** With ``adapters``, a request names one (or the base model) and the model run is a copy whose
+  adapted layers add each row's low-rank term (:mod:`griffin.serve.adapters`): a prefill sets its one row's adapter,
+  a decode step the adapter of every row of the batch, so rows on different adapters share a step. Prefix states are
+  kept per adapter (the adapter's name is the prefix cache's namespace).
 
 Requests come in through :meth:`Engine.submit` from any thread and come back as :class:`Update` objects through their
 :class:`RequestHandle` (an asyncio queue, or a blocking one).
@@ -38,12 +47,16 @@ from griffin.data.tokenizer import Tokenizer
 from griffin.inference import Decoder
 from griffin.inference.generate import decode_model
 from griffin.model import CausalLM
+from griffin.serve.adapters import AdapterSet, multi_lora_swapped
+from griffin.serve.grammar import GrammarCompiler, RowGrammar
 from griffin.serve.metrics import Histogram, Metrics
 from griffin.serve.prefix_cache import PrefixCache
-from griffin.serve.sampling import SamplingParams, choice_generator, sample_rows, token_logprobs
+from griffin.serve.sampling import SamplingParams, TokenMask, choice_generator, sample_rows, token_logprobs
 from griffin.serve.text import Detokenizer, StopMatcher
 
 log = logging.getLogger("griffin.serve")
+
+DEFAULT_PREFIX_BLOCK = 64  # tokens per prefix-cache block (docs/serving.md: the few-shot benchmark)
 
 
 class EngineError(Exception):
@@ -134,9 +147,10 @@ class RequestHandle:
     _ids = itertools.count()
 
     def __init__(self, prompt: list[int], params: SamplingParams, deadline: float | None,
-                 loop: asyncio.AbstractEventLoop | None) -> None:
+                 loop: asyncio.AbstractEventLoop | None, adapter: str | None = None, adapter_index: int = -1) -> None:
         self.id = next(self._ids)
         self.prompt, self.params, self.deadline = prompt, params, deadline
+        self.adapter, self.adapter_index = adapter, adapter_index  # the LoRA adapter's name and index (None, -1: base)
         self.arrival = time.monotonic()
         self.cancelled = False
         self.prefix_hit = 0  # prompt tokens taken from the prefix cache
@@ -182,11 +196,12 @@ class _Job:
     """A request being prefilled in its own one-row cache."""
 
     handle: RequestHandle
-    cache: Cache
+    cache: Cache | None  # None until the job starts
     done: int  # prompt tokens already in the cache
     splits: list[int]  # where chunks end, ascending
     anchors: set[int]  # lengths whose state goes to the prefix cache
     logits: Tensor | None = None  # (1, V) of the last token in the cache
+    started: bool = False  # the prefix cache was looked up (when the first chunk is due)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
@@ -201,6 +216,7 @@ class _Seq:
     detokenizer: Detokenizer | None
     stops: StopMatcher
     cached: int  # tokens in the row's cache
+    grammar: RowGrammar | None = None  # the response_format's state for this choice (dropped with the row)
     last: int = -1  # the token to feed next
     generated: int = 0
     last_token_at: float = 0.0
@@ -229,22 +245,37 @@ class Engine:
         max_tokens_limit: the largest ``max_tokens`` a request may ask for.
         prefill_chunk: prompt tokens per forward pass and, about, per engine step.
         prefix_cache_bytes: budget of the prefix-state cache (0 disables it).
+        prefix_block: tokens per block of the prefix cache: prompts are cut and their states kept at every multiple
+            of it, so any shared prefix of at least one block is reused (0: only at message and prompt ends).
         compile: decode with the ``torch.compile``d step, for batch sizes rounded up to powers of two.
         prepack: prepacked CPU matmuls for the decode step (default: where oneDNN can); int8 models decode with the
             matvec kernel (:func:`griffin.inference.generate.decode_model`, made once here).
         request_timeout: seconds a request may take from its arrival (None: no limit).
+        adapters: LoRA adapters served unmerged (:func:`griffin.serve.adapters.load_adapters`), chosen per request
+            (:meth:`submit`'s ``adapter``); the engine then runs a copy of ``model`` whose adapted layers add each
+            row's low-rank term (:func:`griffin.serve.adapters.multi_lora_swapped`), and keys the prefix cache by
+            adapter.
     """
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  max_queue: int = 256, max_length: int | None = None, max_tokens_limit: int = 4096,
-                 prefill_chunk: int = 512, prefix_cache_bytes: int = 256 << 20, compile: bool = False,
+                 prefill_chunk: int = 512, prefix_cache_bytes: int = 256 << 20,
+                 prefix_block: int = DEFAULT_PREFIX_BLOCK, compile: bool = False,
                  prepack: bool | None = None, request_timeout: float | None = 600.0,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, adapters: AdapterSet | None = None) -> None:
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("prefill_chunk", prefill_chunk),
                             ("max_tokens_limit", max_tokens_limit)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        self.model = model.eval()
+        if isinstance(prefix_block, bool) or not isinstance(prefix_block, int) or prefix_block < 0:
+            raise ValueError(f"prefix_block={prefix_block!r} must be an integer >= 0 (tokens per prefix-cache block; "
+                             f"0: states only at message and prompt ends)")
+        self.adapters = adapters if adapters is not None and len(adapters) else None
+        if self.adapters is not None and compile:
+            raise ValueError("compile=True with LoRA adapters served unmerged is not supported: serve them without "
+                             "--compile, or merge one adapter into the weights")
+        self.model = model.eval() if self.adapters is None else multi_lora_swapped(model.eval(), self.adapters)
+        self.adapter_rows = getattr(self.model, "adapter_rows", None)
         self.config = model.config
         self.tokenizer = tokenizer
         self.global_attention = "attention" in self.config.block_types
@@ -258,9 +289,11 @@ class Engine:
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.device = model.device
         # the decode copy of the model (matvec kernel or prepacked matmuls), made once: every step reuses it
-        self.step_model = decode_model(model, max_batch, prepack)
+        self.step_model = decode_model(self.model, max_batch, prepack)
         self.cache = model.init_cache(max_batch, self.max_length)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_block = prefix_block
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block or DEFAULT_PREFIX_BLOCK)
+        self.grammars = GrammarCompiler(tokenizer, self.config.vocab_size)  # response_format (llguidance, lazily)
         self.rows: list[_Seq] = []
         self.jobs: list[_Job] = []
         self.waiting: deque[RequestHandle] = deque()
@@ -302,17 +335,32 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab})")
+        if params.response_format is not None:  # a GrammarError (a ValueError) for a schema that cannot compile
+            self.grammars.compile(params.response_format)
         return prompt
 
+    def adapter_index(self, adapter: str | None) -> int:
+        """The index of the served LoRA adapter called ``adapter`` (-1 for None: the base model), or a ValueError
+        naming it and the adapters served."""
+        if adapter is None:
+            return -1
+        if self.adapters is None or adapter not in self.adapters.names:
+            served = ", ".join(self.adapters.names) if self.adapters is not None else "none"
+            raise ValueError(f"no LoRA adapter {adapter!r} is served (adapters: {served})")
+        return self.adapters.index(adapter)
+
     def submit(self, prompt: Sequence[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop | None = None, timeout: float | None = None) -> RequestHandle:
-        """Queue a request (after :meth:`check`). With ``loop``, read its updates with ``async for`` in that loop,
-        else with ``for``. Raises :class:`QueueFull` or :class:`EngineClosed`."""
+               loop: asyncio.AbstractEventLoop | None = None, timeout: float | None = None,
+               adapter: str | None = None) -> RequestHandle:
+        """Queue a request (after :meth:`check`), on the served LoRA adapter called ``adapter`` (None: the base
+        model). With ``loop``, read its updates with ``async for`` in that loop, else with ``for``. Raises
+        :class:`QueueFull` or :class:`EngineClosed`."""
         prompt = self.check(prompt, params)
+        index = self.adapter_index(adapter)
         if timeout is None or (self.request_timeout is not None and timeout > self.request_timeout):
             timeout = self.request_timeout  # a request may ask for less time than the server allows, not more
         deadline = None if timeout is None else time.monotonic() + timeout
-        handle = RequestHandle(prompt, params, deadline, loop)
+        handle = RequestHandle(prompt, params, deadline, loop, adapter, index)
         with self.cond:
             if self.closing:
                 raise EngineClosed("the server is shutting down")
@@ -326,9 +374,9 @@ class Engine:
         self.metrics.inc("griffin_requests_total")
         return handle
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams) -> RequestOutput:
+    def generate(self, prompt: Sequence[int], params: SamplingParams, adapter: str | None = None) -> RequestOutput:
         """Submit and wait (from a thread other than the engine's): the merged output of every choice."""
-        handle = self.submit(prompt, params)
+        handle = self.submit(prompt, params, adapter=adapter)
         result = RequestOutput([ChoiceOutput(i, [], "", [] if params.logprobs is not None else None)
                                 for i in range(params.n)])
         for update in handle:
@@ -368,6 +416,7 @@ class Engine:
         sizes = {self._bucket(n) for n in range(1, self.max_batch + 1)} if self.compile else {1}
         for size in sorted(sizes):
             scratch = self.model.init_cache(size, self.max_length)
+            self._set_adapters([-1] * size)
             with torch.no_grad():
                 self.model(torch.zeros(size, 1, dtype=torch.long, device=self.device), cache=scratch)
                 Decoder(self.step_model, scratch, compile=self.compile, prepack=False, matvec=False)(
@@ -450,15 +499,25 @@ class Engine:
     def _new_job(self, handle: RequestHandle) -> _Job:
         prompt, params = handle.prompt, handle.params
         anchors = {len(prompt), *params.boundaries}
-        entry = None if params.prompt_logprobs else self.prefix_cache.lookup(prompt)
+        if self.prefix_block:
+            anchors.update(range(self.prefix_block, len(prompt), self.prefix_block))
+        return _Job(handle, None, 0, [], anchors)
+
+    def _start_job(self, job: _Job) -> None:
+        """Start a job (when its first chunk is due) from the state after its prompt's longest cached prefix, or
+        from an empty cache."""
+        handle, prompt = job.handle, job.handle.prompt
+        entry = None
+        if not handle.params.prompt_logprobs:
+            entry = self.prefix_cache.lookup(prompt, namespace=handle.adapter)
         if entry is not None:
-            cache, done, logits = entry.cache.copy(), entry.length, entry.logits[None]
-            handle.prefix_hit = done
-            self.metrics.inc("griffin_prefix_cache_hit_tokens_total", done)
+            job.cache, job.done, job.logits = entry.cache.copy(), entry.length, entry.logits[None]
+            handle.prefix_hit = job.done
+            self.metrics.inc("griffin_prefix_cache_hit_tokens_total", job.done)
         else:
-            cache, done, logits = self.model.init_cache(1, self.max_length), 0, None
-        splits = chunk_splits(len(prompt), done, sorted(anchors), self.prefill_chunk)
-        return _Job(handle, cache, done, splits, anchors, logits)
+            job.cache, job.done, job.logits = self.model.init_cache(1, self.max_length), 0, None
+        job.splits = chunk_splits(len(prompt), job.done, sorted(job.anchors), self.prefill_chunk)
+        job.started = True
 
     def _prefill(self) -> None:
         """Prefill chunks of the jobs, oldest first, until about ``prefill_chunk`` tokens are done."""
@@ -466,6 +525,8 @@ class Engine:
         while self.jobs and budget > 0:
             job = self.jobs[0]
             try:
+                if not job.started:
+                    self._start_job(job)
                 if job.splits:
                     budget -= self._prefill_chunk(job)
                 if not job.splits:
@@ -484,14 +545,15 @@ class Engine:
         ids = torch.tensor([prompt[start:end]], dtype=torch.long, device=self.device)
         positions = torch.arange(start, end, device=self.device)[None]
         want_all = job.handle.params.prompt_logprobs
+        self._set_adapters([job.handle.adapter_index])
         logits = self.model(ids, positions, cache=job.cache, logits_to_keep=None if want_all else 1)[0]
         job.cache.started = True
         if want_all:
             self._prompt_logprobs(job, logits, start, end)
         job.logits, job.done = logits[-1:].float(), end
         if end in job.anchors and not job.handle.params.prompt_logprobs:
-            if not self.prefix_cache.contains(prompt[:end]):
-                self.prefix_cache.store(prompt[:end], job.cache, job.logits[0])
+            if not self.prefix_cache.contains(prompt[:end], namespace=job.handle.adapter):
+                self.prefix_cache.store(prompt[:end], job.cache, job.logits[0], namespace=job.handle.adapter)
         self.metrics.inc("griffin_prompt_tokens_computed_total", end - start)
         return end - start
 
@@ -525,14 +587,21 @@ class Engine:
         seqs = []
         for i in range(n):
             detok = Detokenizer(self.tokenizer, handle.prompt) if self.tokenizer is not None else None
+            grammar = self.grammars.row(params.response_format) if params.response_format is not None else None
             seq = _Seq(handle, i, first + i, choice_generator(params, i, self.device), detok,
-                       StopMatcher(params.stop), cached=len(handle.prompt))
+                       StopMatcher(params.stop), cached=len(handle.prompt), grammar=grammar)
             self.rows.append(seq)
             seqs.append(seq)
         logits = job.logits.expand(n, -1)
-        tokens = sample_rows(logits, [params] * n, [s.generator for s in seqs], self.shared_generator)
+        tokens = sample_rows(logits, [params] * n, [s.generator for s in seqs], self.shared_generator,
+                             self._grammar_mask(seqs, logits.shape[-1]))
         self._deliver(self._emit(seqs, logits, tokens), {handle: job.prompt_logprobs} if params.prompt_logprobs
                       else None)
+
+    def _set_adapters(self, indices: list[int]) -> None:
+        """The LoRA adapter of each row of the next forward pass (-1: the base model), when adapters are served."""
+        if self.adapter_rows is not None:
+            self.adapter_rows.set(indices, self.device)
 
     def _bucket(self, n: int) -> int:
         """The decode batch for ``n`` active rows: ``n``, or the next power of two (at most max_batch) when
@@ -556,17 +625,28 @@ class Engine:
             for block in view.blocks:
                 if hasattr(block, "count"):
                     block.count[n:].zero_()
+        self._set_adapters([s.handle.adapter_index for s in self.rows] + [-1] * (size - n))
         decoder = Decoder(self.step_model, view, compile=self.compile, prepack=False, matvec=False)
         logits = decoder(tokens.to(self.device))[:n]
         for s in self.rows:
             s.cached += 1
         rows = list(self.rows)
         sampled = sample_rows(logits, [s.handle.params for s in rows], [s.generator for s in rows],
-                              self.shared_generator)
+                              self.shared_generator, self._grammar_mask(rows, logits.shape[-1]))
         updates = self._emit(rows, logits, sampled)
         self.metrics.observe("griffin_decode_step_seconds", time.perf_counter() - start)
         self.metrics.observe("griffin_decode_batch_size", n)
         self._deliver(updates)
+
+    def _grammar_mask(self, seqs: list[_Seq], vocab: int) -> TokenMask | None:
+        """The allowed tokens of the rows with a response_format grammar (None when there are none)."""
+        pairs = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if not pairs:
+            return None
+        start = time.perf_counter()
+        mask = TokenMask([i for i, _ in pairs], self.grammars.mask(pairs, vocab, self.device))
+        self.metrics.observe("griffin_grammar_mask_seconds", time.perf_counter() - start)
+        return mask
 
     def _emit(self, seqs: list[_Seq], logits: Tensor, tokens: Tensor) -> dict[RequestHandle, list]:
         """Record each row's new token (text, stop sequences, log-probabilities), free the rows that finished, and
@@ -616,6 +696,9 @@ class Engine:
             text, hit = seq.stops.add(delta)
             if hit:
                 reason = "stop"
+            elif seq.grammar is not None and seq.grammar.advance(token):  # the grammar is complete: only EOS next
+                rest, _ = self._flush(seq)
+                text, reason = text + rest, "stop"
             elif seq.generated >= params.max_tokens:
                 rest, reason = self._flush(seq)
                 text += rest
@@ -692,6 +775,8 @@ class Engine:
         m.describe("griffin_time_per_output_token_seconds", "histogram", "Between consecutive tokens of a choice.")
         m.describe("griffin_request_seconds", "histogram", "From arrival to the last token.")
         m.describe("griffin_decode_step_seconds", "histogram", "One decode step of the running batch.")
+        m.describe("griffin_grammar_mask_seconds", "histogram",
+                   "Computing the response_format token masks of one step (all grammar rows).")
         m.histograms["griffin_decode_batch_size"] = Histogram(tuple(float(1 << i) for i in range(11)))
         m.help["griffin_decode_batch_size"] = ("histogram", "Active rows per decode step.")
         m.gauge("griffin_queue_length", "Requests waiting for a slot.", lambda: len(self.waiting))

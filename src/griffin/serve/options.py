@@ -4,7 +4,8 @@ dependencies, and :func:`griffin.serve.server.run` takes the :class:`ServeConfig
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,7 +18,8 @@ class ServeConfig:
     """Every option of ``griffin serve`` (see :func:`add_serve_arguments` for their meaning)."""
 
     checkpoint: str
-    adapter: str | None = None
+    adapter: str | None = None  # merged into the weights
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> directory: served unmerged, chosen per request
     host: str = "127.0.0.1"
     port: int = 8000
     tokenizer: str = "auto"
@@ -33,6 +35,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     prefill_chunk: int = 512
     prefix_cache_mb: float = 256.0
+    prefix_block: int = 64  # griffin.serve.engine.DEFAULT_PREFIX_BLOCK
     compile: bool = False
     request_timeout: float | None = 600.0
     shutdown_grace: float = 30.0
@@ -41,14 +44,21 @@ class ServeConfig:
     threads: int | None = None
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        if isinstance(self.prefix_block, bool) or not isinstance(self.prefix_block, int) or self.prefix_block < 0:
+            raise ValueError(f"--prefix-block {self.prefix_block!r} must be an integer >= 0 (tokens per prefix-cache "
+                             f"block; 0: states only at chat message and prompt ends)")
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The ``griffin serve`` flags, one per :class:`ServeConfig` field."""
     d = ServeConfig("")
     p.add_argument("checkpoint", help="a griffin, HF RecurrentGemma or official checkpoint (or a LoRA adapter "
                    "directory: its base model with it)")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT's format, "
-                   "`griffin finetune`) merged into the checkpoint's weights")
+    p.add_argument("--adapter", metavar="[NAME=]DIR", action="append", default=None,
+                   help="a LoRA adapter directory (PEFT's format, `griffin finetune`). NAME=DIR (repeatable): served "
+                        "unmerged under NAME, which a request's model field picks, beside the base model; DIR alone "
+                        "(once): merged into the checkpoint's weights")
     p.add_argument("--host", default=d.host, help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=d.port, help="port")
     p.add_argument("--tokenizer", default=d.tokenizer,
@@ -81,6 +91,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
                    help="memory for the states after prompt prefixes (chat turns, system prompts) kept for reuse; "
                         "0 disables it")
+    p.add_argument("--prefix-block", type=int, default=d.prefix_block, metavar="TOKENS",
+                   help="prompts are cut and their states kept every TOKENS tokens, so a request reuses the state "
+                        "after any prefix it shares with an earlier one (a few-shot preamble) down to the last whole "
+                        "block; 0: states only at chat message and prompt ends")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step for each power-of-two batch size at start-up (slow to start)")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
@@ -100,4 +114,27 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The :class:`ServeConfig` of parsed ``griffin serve`` arguments."""
     fields = {k: getattr(args, k) for k in ServeConfig.__dataclass_fields__ if hasattr(args, k)}
     fields["dtype"] = DTYPES[args.dtype] if args.dtype else None
+    fields["adapter"], fields["adapters"] = split_adapters(getattr(args, "adapter", None) or [])
     return ServeConfig(**fields)
+
+
+def split_adapters(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """``--adapter`` values as (the one merged adapter, named adapters served unmerged): ``NAME=DIR`` is named
+    unless the whole value is an existing path; a plain ``DIR`` is merged. Two merged ones, a name given twice, or
+    both kinds together are a ValueError naming them."""
+    merged, named = [], {}
+    for value in values:
+        name, sep, directory = value.partition("=")
+        if sep and name and directory and "/" not in name and not Path(value).exists():
+            if name in named:
+                raise ValueError(f"--adapter {name}= is given twice ({named[name]} and {directory})")
+            named[name] = directory
+        else:
+            merged.append(value)
+    if len(merged) > 1:
+        raise ValueError(f"--adapter DIR merges one adapter into the weights, got {len(merged)} ({', '.join(merged)}): "
+                         "serve several unmerged with --adapter NAME=DIR each")
+    if merged and named:
+        raise ValueError(f"--adapter {merged[0]} (merged) and named adapters ({', '.join(named)}) do not go together: "
+                         "the named ones would be checked against a base with another adapter merged; name it too")
+    return (merged[0] if merged else None), named

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from griffin.serve.engine import ChoiceOutput, TokenLogprob
+from griffin.serve.grammar import GrammarError, ResponseFormat, parse_response_format
 from griffin.serve.sampling import SamplingParams
 
 
@@ -57,6 +58,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     timeout: float | None = Field(None, gt=0)
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -74,15 +76,24 @@ class _Request(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
 
+    def grammar(self) -> ResponseFormat | None:
+        """The parsed ``response_format`` (None for free text), or a 400 naming what is wrong with it."""
+        try:
+            return parse_response_format(self.response_format)
+        except GrammarError as err:
+            raise APIError(err.status, str(err), param="response_format") from err
+
     def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: bool, stops: tuple[str, ...] = (),
                  boundaries: tuple[int, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        response_format = self.grammar()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed, n=self.n,
                 stop=stop + tuple(s for s in stops if s not in stop), stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, boundaries=boundaries,
+                response_format=response_format,
             )
         except ValueError as err:
             raise APIError(400, str(err), param=str(err).split("=", 1)[0]) from err

@@ -5,6 +5,10 @@ with its own temperature, top-k, top-p and random generator.
 :func:`griffin.inference.sample` call on the engine's generator, seeded rows one at a time on their own generator (so
 that a seeded request draws the same tokens whatever batch it shares). :func:`sample_rows_reference` samples every row
 alone; both give the same tokens for greedy and seeded rows.
+
+A :class:`TokenMask` (the allowed tokens of the rows under a ``response_format`` grammar) sets the other logits of
+those rows to -inf before temperature, top-k and top-p, for greedy and sampled rows alike; rows without a grammar
+are untouched. Log-probabilities stay the model's (:func:`token_logprobs` reads the unmasked logits).
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from griffin.inference import sample
+
+if TYPE_CHECKING:
+    from griffin.serve.grammar import ResponseFormat
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,8 @@ class SamplingParams:
     ``logprobs``: None for none, else the number of most likely alternatives to report beside each sampled token
     (0: the sampled token's log-probability only). ``prompt_logprobs``: report the prompt tokens' log-probabilities
     too (``echo`` with ``logprobs``). ``boundaries``: prompt lengths after which the state is worth keeping in the
-    prefix cache (ends of chat turns; the end of the prompt is always one).
+    prefix cache (ends of chat turns; the end of the prompt is always one). ``response_format``: the output's
+    grammar (:class:`griffin.serve.grammar.ResponseFormat`, hashable), None for free text.
     """
 
     max_tokens: int = 16
@@ -41,6 +50,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     boundaries: tuple[int, ...] = field(default=())
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -73,22 +83,42 @@ def choice_generator(params: SamplingParams, choice: int,
     return torch.Generator(device=device).manual_seed(params.seed + choice)
 
 
+@dataclass
+class TokenMask:
+    """The allowed tokens of some rows of a batch: ``allowed`` (len(rows), V) bool, one row per index in ``rows``."""
+
+    rows: list[int]
+    allowed: Tensor
+
+
+def apply_mask(logits: Tensor, mask: TokenMask | None) -> Tensor:
+    """``logits`` with the disallowed tokens of the masked rows at -inf (a new tensor; the input is unchanged)."""
+    if mask is None or not mask.rows:
+        return logits
+    out = logits.clone()
+    rows = torch.tensor(mask.rows, device=logits.device)
+    out[rows] = out[rows].masked_fill(~mask.allowed.to(logits.device), -math.inf)
+    return out
+
+
 def sample_rows_reference(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                          shared: torch.Generator | None = None) -> Tensor:
+                          shared: torch.Generator | None = None, mask: TokenMask | None = None) -> Tensor:
     """Next tokens (B,) of logits (B, V), each row sampled alone with its own settings (its generator, else
-    ``shared``)."""
+    ``shared``), after ``mask``."""
+    logits = apply_mask(logits, mask)
     out = [sample(logits[i : i + 1], p.temperature, p.top_k, p.top_p, g if g is not None else shared)
            for i, (p, g) in enumerate(zip(params, generators, strict=True))]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
 
 def sample_rows(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                shared: torch.Generator | None = None) -> Tensor:
+                shared: torch.Generator | None = None, mask: TokenMask | None = None) -> Tensor:
     """:func:`sample_rows_reference` with rows grouped: greedy rows in one ``argmax``, unseeded rows of equal
     settings in one draw from ``shared``, seeded rows alone on their generators."""
     B = logits.shape[0]
     if len(params) != B or len(generators) != B:
         raise ValueError(f"{B} rows of logits but {len(params)} settings and {len(generators)} generators")
+    logits = apply_mask(logits, mask)
     tokens = torch.empty(B, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
