@@ -290,7 +290,12 @@ class Engine:
         self.device = model.device
         # the decode copy of the model (matvec kernel or prepacked matmuls), made once: every step reuses it
         self.step_model = decode_model(self.model, max_batch, prepack)
+        # a step of one row: on CPU the matvec kernel (decode_model's default at one row, several times faster than
+        # oneDNN's prepacked matmul there), a second copy sharing the weights; otherwise the same model
+        one_row = prepack is None and not compile and max_batch > 1
+        self.one_row_model = decode_model(self.model, 1) if one_row else self.step_model
         self.cache = model.init_cache(max_batch, self.max_length)
+        self._decoders: dict[int, Decoder] = {}  # by batch size: see _decoder
         self.prefix_block = prefix_block
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block or DEFAULT_PREFIX_BLOCK)
         self.grammars = GrammarCompiler(tokenizer, self.config.vocab_size)  # response_format (llguidance, lazily)
@@ -411,15 +416,17 @@ class Engine:
         return len(self.rows)
 
     def warmup(self) -> None:
-        """Run a prefill and a decode step on a scratch cache (the first call of a kernel compiles it), and with
+        """Run a prefill and a decode step of one and of two rows on scratch caches (the first call of a kernel
+        compiles it; one row and several decode through different kernels), and with
         ``compile`` compile the decode step at every batch size it will use; call before :meth:`start`."""
-        sizes = {self._bucket(n) for n in range(1, self.max_batch + 1)} if self.compile else {1}
+        sizes = {self._bucket(n) for n in range(1, self.max_batch + 1)} if self.compile else {1, min(2, self.max_batch)}
         for size in sorted(sizes):
             scratch = self.model.init_cache(size, self.max_length)
             self._set_adapters([-1] * size)
             with torch.no_grad():
                 self.model(torch.zeros(size, 1, dtype=torch.long, device=self.device), cache=scratch)
-                Decoder(self.step_model, scratch, compile=self.compile, prepack=False, matvec=False)(
+                Decoder(self.one_row_model if size == 1 else self.step_model, scratch, compile=self.compile,
+                        prepack=False, matvec=False)(
                     torch.zeros(size, dtype=torch.long, device=self.device))
 
     # The engine thread ------------------------------------------------------------------------------------------
@@ -610,6 +617,19 @@ class Engine:
             return n
         return min(self.max_batch, 1 << (n - 1).bit_length())
 
+    def _decoder(self, size: int) -> Decoder:
+        """The decode step over the running cache's first ``size`` rows, made once per size and reused: its view of
+        the rows follows them in place (rows join and leave by :meth:`Cache.insert`), and making a
+        :class:`Decoder` checks the cache and walks the model's modules, which cost as much as a small model's step."""
+        decoder = self._decoders.get(size)
+        if decoder is None:
+            view = self.cache.map(lambda t: t[:size])
+            view.started = True
+            model = self.one_row_model if size == 1 else self.step_model
+            decoder = Decoder(model, view, compile=self.compile, prepack=False, matvec=False)
+            self._decoders[size] = decoder
+        return decoder
+
     def _decode(self) -> None:
         n = len(self.rows)
         if n == 0:
@@ -618,15 +638,14 @@ class Engine:
         size = self._bucket(n)
         tokens = torch.zeros(size, dtype=torch.long)
         tokens[:n] = torch.tensor([s.last for s in self.rows])
-        view = self.cache.map(lambda t: t[:size])
-        view.started = True
+        decoder = self._decoder(size)
+        view = decoder.cache
         view.length = max(s.cached for s in self.rows)
         if size > n and self.global_attention:  # padding rows of a compiled step: keep their KV counts in range
             for block in view.blocks:
                 if hasattr(block, "count"):
                     block.count[n:].zero_()
         self._set_adapters([s.handle.adapter_index for s in self.rows] + [-1] * (size - n))
-        decoder = Decoder(self.step_model, view, compile=self.compile, prepack=False, matvec=False)
         logits = decoder(tokens.to(self.device))[:n]
         for s in self.rows:
             s.cached += 1
