@@ -45,6 +45,7 @@ from torch import Tensor
 from griffin.cache import Cache
 from griffin.data.tokenizer import Tokenizer
 from griffin.inference import Decoder
+from griffin.inference.cpu.prepack import PackedLinear
 from griffin.inference.generate import decode_model
 from griffin.model import CausalLM
 from griffin.serve.adapters import AdapterSet, multi_lora_swapped
@@ -290,9 +291,10 @@ class Engine:
         self.device = model.device
         # the decode copy of the model (matvec kernel or prepacked matmuls), made once: every step reuses it
         self.step_model = decode_model(self.model, max_batch, prepack)
-        # a step of one row: on CPU the matvec kernel (decode_model's default at one row, several times faster than
-        # oneDNN's prepacked matmul there), a second copy sharing the weights; otherwise the same model
-        one_row = prepack is None and not compile and max_batch > 1
+        # a step of one row: where the batch runs oneDNN's prepacked matmuls, the matvec kernel (decode_model's
+        # default at one row, several times faster there) in a second copy sharing the weights; else the same model
+        prepacked = any(isinstance(m, PackedLinear) for m in self.step_model.modules())
+        one_row = prepacked and prepack is None and not compile
         self.one_row_model = decode_model(self.model, 1) if one_row else self.step_model
         self.cache = model.init_cache(max_batch, self.max_length)
         self._decoders: dict[int, Decoder] = {}  # by batch size: see _decoder
