@@ -28,6 +28,10 @@ without the prefix-state cache.
    question extends): time to first token, prompt tokens computed (the server's
    ``griffin_prompt_tokens_computed_total``), and whether the two give the same outputs.
 
+8. **Prefill bound**: prompt tokens/s of one 256-token forward pass, griffin's prefill and HF's; prefill is compute
+   bound, so no batching makes it cheaper, and HF's measured time over the time griffin's prefill alone needs for the
+   same prompts bounds serve/HF (a workload whose prompts outweigh its replies cannot batch its way past it).
+
 Numbers: requests/s, output tokens/s, time to first token (TTFT), time per output token after the first (TPOT, per
 request: (end - first token) / (tokens - 1)), request latency; medians over requests. Everything runs on this
 machine: the server's threads, the client and the in-process peers share the CPU (the peers run while no server
@@ -62,6 +66,7 @@ import torch
 from griffin.config import ModelConfig
 from griffin.data import default_corpus_files
 from griffin.inference import Decoder, generate, generate_stream
+from griffin.inference.cpu.upcast import prefill_model
 from griffin.interop import export_hf, save_pretrained
 from griffin.model import CausalLM
 
@@ -330,6 +335,24 @@ def decode_step_ms(model: CausalLM, sizes: list[int], repeats: int) -> dict[int,
     return out
 
 
+def prefill_tok_s(model: CausalLM, hf: Any, tokens: int, repeats: int) -> dict[str, float]:
+    """Prompt tokens per second of one forward pass over ``tokens`` tokens: griffin's prefill (the model the server's
+    prefill runs, :func:`griffin.inference.cpu.upcast.prefill_model`) and HF's forward pass, same weights."""
+    ids = torch.randint(0, 256, (1, tokens), device=model.device)
+    fast = prefill_model(model)
+    with torch.no_grad():
+        ours = median_time(lambda: (fast(ids, cache=model.init_cache(1), logits_to_keep=1), sync(ids.device)), repeats)
+        theirs = median_time(lambda: (hf(ids), sync(ids.device)), repeats)
+    return dict(tokens=tokens, griffin=tokens / ours, hf=tokens / theirs)
+
+
+def prefill_bound(hf_services: list[dict[str, float]], requests: list[Req], tok_s: float) -> float:
+    """The most serve/HF throughput could be on these requests if decoding cost nothing: HF's measured time over the
+    time griffin's prefill alone needs for their prompts (prefill is compute bound, so batching does not shrink it)."""
+    prompt_tokens = sum(len(r.prompt.encode()) for r in requests[: len(hf_services)])
+    return sum(s["service"] for s in hf_services) / (prompt_tokens / tok_s)
+
+
 # Multi-turn chat ----------------------------------------------------------------------------------------------------
 async def chat_session(port: int, system: str, turns: list[str], max_tokens: int) -> list[dict[str, float]]:
     messages = [{"role": "system", "content": system}]
@@ -442,6 +465,8 @@ class Results:
     levels: list[dict[str, Any]] = field(default_factory=list)
     hf_alone: dict[str, float] = field(default_factory=dict)
     decode_step_ms: dict[int, float] = field(default_factory=dict)
+    prefill_tok_s: dict[str, float] = field(default_factory=dict)
+    prefill_bound_vs_hf: float = math.nan
     chat: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     fewshot: dict[str, Any] = field(default_factory=dict)
 
@@ -606,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         generate(model, [probe], 4, temperature=0)  # warm-up
         results.decode_step_ms = decode_step_ms(model, sorted({1, *args.concurrency}), 5 if args.quick else 30)
         print("decode step ms by batch: " + ", ".join(f"B={b}: {t:.2f}" for b, t in results.decode_step_ms.items()))
+        results.prefill_tok_s = rates = prefill_tok_s(model, hf, 64 if args.quick else 256, 1)
+        results.prefill_bound_vs_hf = prefill_bound(hf_services, pool, rates["griffin"])
+        print(f"prefill tokens/s: griffin {rates['griffin']:.0f}, HF {rates['hf']:.0f}; serve/HF can be at most "
+              f"{results.prefill_bound_vs_hf:.1f}x on these requests (prefill alone)")
         for c in args.concurrency:
             n = min(len(pool), max(16, 2 * c)) if not args.quick else len(pool)
             static = None if args.no_static else summarize(*run_static(model, pool[:n], c))

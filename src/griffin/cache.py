@@ -110,6 +110,28 @@ class Cache:
         self.length = max(self.length, other.length)
         self.started = self.started and other.started
 
+    @classmethod
+    def cat(cls, caches: Sequence[Cache]) -> Cache:
+        """The rows of several caches of one model side by side, in order, as a new cache (copies): e.g. to run one
+        chunk of several prompts, each with its own state, in one forward pass (:meth:`select` splits them again)."""
+        if not caches:
+            raise ValueError("no caches to concatenate")
+        first = caches[0]
+        for other in caches[1:]:
+            if other.config.replace(name="") != first.config.replace(name=""):
+                raise ValueError("cannot concatenate caches made for different model configs")
+        per = [c.tensors() for c in caches]
+        for name, t in per[0].items():
+            for other in per[1:]:
+                if other[name].shape[1:] != t.shape[1:]:
+                    raise ValueError(f"{name} is {tuple(other[name].shape[1:])} per row in one cache and "
+                                     f"{tuple(t.shape[1:])} in another (another max_length?)")
+        blocks = [type(b)(**{f.name: torch.cat([getattr(c.blocks[i], f.name) for c in caches])
+                             for f in dataclasses.fields(b)}) for i, b in enumerate(first.blocks)]
+        return Cache(first.config, blocks, torch.cat([c.position for c in caches]),
+                     torch.cat([c.segment for c in caches]), max(c.length for c in caches),
+                     all(c.started for c in caches))
+
     def _rows(self, rows: Sequence[int] | Tensor) -> Tensor:
         index = torch.as_tensor(rows, dtype=torch.long).flatten().cpu()
         bad = [int(r) for r in index if not 0 <= int(r) < self.batch_size]

@@ -20,6 +20,7 @@ from griffin.cache import Cache
 from griffin.inference.cpu.fused import FusedResidualBlock, fused_step_swapped
 from griffin.inference.cpu.linear import Int8PackLinear, MatvecLinear, int8pack_for, matvec_swapped
 from griffin.inference.cpu.prepack import PackedLinear, can_prepack, prepacked
+from griffin.inference.cpu.upcast import prefill_model
 from griffin.model import CausalLM
 from griffin.quantize import quantization_of
 
@@ -160,10 +161,10 @@ def prefill(model: CausalLM, prompts: Prompts, cache: Cache | None = None, max_l
         ids = torch.tensor(rows, dtype=torch.long)
         positions = cache.position.cpu()[:, None] + torch.arange(length)
     ids, positions = ids.to(device), positions.to(device)
-    logits = None
+    logits, forward = None, prefill_model(model)  # bfloat16 on a CPU without its matmul: float32 matmuls
     for start in range(0, length, chunk_size):
         sl = slice(start, start + chunk_size)
-        logits = model(ids[:, sl], positions[:, sl], cache=cache, logits_to_keep=1)[:, -1]
+        logits = forward(ids[:, sl], positions[:, sl], cache=cache, logits_to_keep=1)[:, -1]
     cache.started = True  # every prompt has a token, and padding comes first
     return logits, cache
 

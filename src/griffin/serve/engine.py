@@ -46,6 +46,7 @@ from griffin.cache import Cache
 from griffin.data.tokenizer import Tokenizer
 from griffin.inference import Decoder
 from griffin.inference.cpu.prepack import PackedLinear
+from griffin.inference.cpu.upcast import prefill_model
 from griffin.inference.generate import decode_model
 from griffin.model import CausalLM
 from griffin.serve.adapters import AdapterSet, multi_lora_swapped
@@ -296,6 +297,7 @@ class Engine:
         prepacked = any(isinstance(m, PackedLinear) for m in self.step_model.modules())
         one_row = prepacked and prepack is None and not compile
         self.one_row_model = decode_model(self.model, 1) if one_row else self.step_model
+        self.prefill_model = prefill_model(self.model)  # bfloat16 on a CPU without its matmul: float32 matmuls
         self.cache = model.init_cache(max_batch, self.max_length)
         self._decoders: dict[int, Decoder] = {}  # by batch size: see _decoder
         self.prefix_block = prefix_block
@@ -529,25 +531,88 @@ class Engine:
         job.started = True
 
     def _prefill(self) -> None:
-        """Prefill chunks of the jobs, oldest first, until about ``prefill_chunk`` tokens are done."""
+        """Prefill chunks of the jobs, oldest first, until about ``prefill_chunk`` tokens are done. The next chunks of
+        several jobs run in one forward pass when they are as long (their one-row caches side by side): the weight
+        matmuls then see many rows at once, which is what makes prefill fast (Section 5)."""
         budget = self.prefill_chunk
         while self.jobs and budget > 0:
-            job = self.jobs[0]
+            group = self._prefill_group(budget)
             try:
-                if not job.started:
-                    self._start_job(job)
-                if job.splits:
-                    budget -= self._prefill_chunk(job)
-                if not job.splits:
-                    self.jobs.pop(0)
-                    self.reserved -= self._rows_needed(job.handle)
-                    self._join(job)
+                if any(job.splits for job in group):
+                    budget -= self._prefill_chunks([job for job in group if job.splits])
             except Exception as err:
                 log.exception("prefill failed")
-                if job in self.jobs:
-                    self.jobs.remove(job)
-                    self.reserved -= self._rows_needed(job.handle)
-                job.handle.push(Update(error=f"internal error: {type(err).__name__}: {err}", done=True))
+                self._drop_jobs(group, f"internal error: {type(err).__name__}: {err}")
+                continue
+            for job in group:
+                if job.splits:
+                    continue
+                self.jobs.remove(job)
+                self.reserved -= self._rows_needed(job.handle)
+                try:
+                    self._join(job)
+                except Exception as err:
+                    log.exception("prefill failed")
+                    job.handle.push(Update(error=f"internal error: {type(err).__name__}: {err}", done=True))
+
+    def _prefill_group(self, budget: int) -> list[_Job]:
+        """The jobs whose next chunks run together: the oldest job's, then those of the next jobs with chunks of the
+        same length, up to about ``budget`` tokens. A job not started yet whose prompt begins with a state another
+        job is still computing waits for it (it then starts from that state), so that requests arriving together
+        share their prefix instead of computing it side by side."""
+        group: list[_Job] = []
+        length = 0
+        for i, job in enumerate(self.jobs):
+            if not job.started:
+                if group and any(self._waits_for(job, other) for other in self.jobs[:i]):
+                    continue
+                self._start_job(job)
+            if not job.splits:  # the whole prompt was cached: nothing to compute
+                if not group:
+                    return [job]
+                continue
+            n = job.splits[0] - job.done
+            logprobs = job.handle.params.prompt_logprobs
+            if not group:
+                group, length = [job], n
+                if logprobs:
+                    break
+            elif n == length and not logprobs and (len(group) + 1) * length <= budget:
+                group.append(job)
+        return group
+
+    def _waits_for(self, job: _Job, other: _Job) -> bool:
+        """Whether ``job`` (not started) would start from a state that ``other`` (being prefilled) stores but has not
+        computed yet: ``other``'s next anchor lies within their shared prefix, in the same adapter's namespace."""
+        if not other.started or not other.splits or other.handle.params.prompt_logprobs \
+                or other.handle.adapter != job.handle.adapter or job.handle.params.prompt_logprobs:
+            return False
+        pending = min((a for a in other.anchors if a > other.done), default=0)
+        return 0 < pending <= len(job.handle.prompt) and job.handle.prompt[:pending] == other.handle.prompt[:pending]
+
+    def _drop_jobs(self, jobs: list[_Job], message: str) -> None:
+        for job in jobs:
+            if job in self.jobs:
+                self.jobs.remove(job)
+                self.reserved -= self._rows_needed(job.handle)
+            job.handle.push(Update(error=message, done=True))
+
+    def _prefill_chunks(self, jobs: list[_Job]) -> int:
+        """The next chunk of each job (all as long) in one forward pass; returns the tokens computed."""
+        if len(jobs) == 1:
+            return self._prefill_chunk(jobs[0])
+        starts, ends = [job.done for job in jobs], [job.splits.pop(0) for job in jobs]
+        ids = torch.tensor([job.handle.prompt[s:e] for job, s, e in zip(jobs, starts, ends, strict=True)],
+                           dtype=torch.long, device=self.device)
+        positions = torch.stack([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)]).to(self.device)
+        cache = Cache.cat([job.cache for job in jobs])
+        self._set_adapters([job.handle.adapter_index for job in jobs])
+        logits = self.prefill_model(ids, positions, cache=cache, logits_to_keep=1)[:, -1]
+        cache.started = True
+        for i, (job, end) in enumerate(zip(jobs, ends, strict=True)):
+            job.cache = cache.select([i])
+            self._chunk_done(job, logits[i : i + 1].float(), end)
+        return sum(e - s for s, e in zip(starts, ends, strict=True))
 
     def _prefill_chunk(self, job: _Job) -> int:
         prompt, start, end = job.handle.prompt, job.done, job.splits.pop(0)
@@ -555,16 +620,22 @@ class Engine:
         positions = torch.arange(start, end, device=self.device)[None]
         want_all = job.handle.params.prompt_logprobs
         self._set_adapters([job.handle.adapter_index])
-        logits = self.model(ids, positions, cache=job.cache, logits_to_keep=None if want_all else 1)[0]
+        logits = self.prefill_model(ids, positions, cache=job.cache, logits_to_keep=None if want_all else 1)[0]
         job.cache.started = True
         if want_all:
             self._prompt_logprobs(job, logits, start, end)
-        job.logits, job.done = logits[-1:].float(), end
+        self._chunk_done(job, logits[-1:].float(), end)
+        return end - start
+
+    def _chunk_done(self, job: _Job, logits: Tensor, end: int) -> None:
+        """Book a job's computed chunk (up to ``end``): its last logits, and its state at an anchor to the prefix
+        cache."""
+        prompt = job.handle.prompt
+        self.metrics.inc("griffin_prompt_tokens_computed_total", end - job.done)
+        job.logits, job.done = logits, end
         if end in job.anchors and not job.handle.params.prompt_logprobs:
             if not self.prefix_cache.contains(prompt[:end], namespace=job.handle.adapter):
                 self.prefix_cache.store(prompt[:end], job.cache, job.logits[0], namespace=job.handle.adapter)
-        self.metrics.inc("griffin_prompt_tokens_computed_total", end - start)
-        return end - start
 
     def _prompt_logprobs(self, job: _Job, logits: Tensor, start: int, end: int) -> None:
         """The log-probability of each prompt token after the previous ones (none for the first)."""
