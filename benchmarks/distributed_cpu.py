@@ -10,6 +10,14 @@ tokens/s are reported as measured, to show the machinery runs, not to rank the l
     python benchmarks/distributed_cpu.py                   # griffin-cpu widened to 4.5M parameters; ~5 min on 2 cores
     python benchmarks/distributed_cpu.py --width 128 --steps 2     # quicker
 
+Context parallelism (``--cp 1,2,4``, after the layouts; ``--layouts ''`` for it alone): one sequence of
+``--cp-seq-len`` tokens split over cp processes (:mod:`griffin.parallel.context_parallel`); each rank reports the
+activation bytes it holds at the end of the forward pass (the peak of activation memory: the distinct storages
+autograd keeps for the backward pass, parameters and token ids excluded, as tests/parallel/test_plan.py counts
+them), beside the planner's ``activations`` for the same layout (float32):
+
+    python benchmarks/distributed_cpu.py --layouts '' --cp 1,2,4 --cp-seq-len 4096
+
 Writes a Markdown table to stdout and JSON (``--out``).
 """
 
@@ -96,6 +104,60 @@ def worker(rank: int, world: int, port: int, layout: tuple[int, int, int], args:
         dist.destroy_process_group()
 
 
+def cp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """One rank of a cp = world run: its shard of one ``--cp-seq-len`` sequence, the activation bytes autograd keeps."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    from griffin.model import CausalLM
+    from griffin.parallel import apply_context_parallel, shard_sequence
+    from griffin.parallel.plan import Layout, memory_per_device
+
+    config = config_of(args)
+    torch.manual_seed(0)
+    model = CausalLM(config)
+    if world > 1:
+        apply_context_parallel(model, dist.group.WORLD)
+    ids = torch.randint(0, config.vocab_size, (1, args.cp_seq_len + 1), generator=torch.Generator().manual_seed(0))
+    inputs, targets = (shard_sequence(t, rank, world) for t in (ids[:, :-1], ids[:, 1:]))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in (ids, inputs, targets)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    start = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(inputs, targets=targets)
+    loss.backward()  # (the backward pass's collectives pair up across the ranks)
+    elapsed = time.perf_counter() - start
+    planned = memory_per_device(config, Layout(cp=world), args.cp_seq_len, compute_bytes=4, loss_chunk=0)
+    result = {"rank": rank, "activation_bytes": sum(seen.values()), "planned": planned["activations"],
+              "seconds": elapsed, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_cp(cp: int, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(cp_worker, args=(cp, port, args, out), nprocs=cp, start_method="spawn")
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(cp)]
+    return {"cp": cp, "tokens_per_rank": args.cp_seq_len // cp, "ranks": ranks,
+            "measured_mb": max(r["activation_bytes"] for r in ranks) / 1e6, "planned_mb": ranks[0]["planned"] / 1e6,
+            "seconds": max(r["seconds"] for r in ranks), "rss_mb": max(r["max_rss"] for r in ranks) / 1e6}
+
+
 def run_layout(layout: tuple[int, int, int], args: argparse.Namespace) -> dict:
     from griffin.parallel import ParallelDims
 
@@ -122,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
     parser.add_argument("--layouts", default=",".join("x".join(map(str, lay)) for lay in LAYOUTS),
                         help="dp_replicate x dp_shard x tp, comma separated")
+    parser.add_argument("--cp", default="", help="context-parallel sizes to measure activations at, e.g. 1,2,4")
+    parser.add_argument("--cp-seq-len", type=int, default=4096, help="the sequence split over the cp ranks")
     parser.add_argument("--out", default="benchmarks/results/distributed_cpu.json")
     args = parser.parse_args(argv)
-    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",") if item]
     from griffin.model import count_parameters
 
     n_params = count_parameters(config_of(args))
@@ -136,6 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_layout(layout, args))
         bar.update(1)
     bar.close()
+    cp_rows = [run_cp(int(cp), args) for cp in args.cp.split(",") if cp]
+    if cp_rows:
+        base_cp = cp_rows[0]["measured_mb"] if cp_rows[0]["cp"] == 1 else float("nan")
+        for r in cp_rows:
+            r["fraction"] = r["measured_mb"] / base_cp
+            r["ratio"] = r["measured_mb"] / r["planned_mb"]
+        print(f"\nContext parallelism: one sequence of {args.cp_seq_len} tokens, float32, activations per rank at "
+              "the end of the forward pass")
+        print(table(cp_rows, [("cp", "cp", "d"), ("tokens per rank", "tokens_per_rank", "d"),
+                              ("measured MB (max over ranks)", "measured_mb", ".2f"),
+                              ("planner MB", "planned_mb", ".2f"), ("measured / planner", "ratio", ".3f"),
+                              ("of cp = 1", "fraction", ".3f"), ("forward+backward s", "seconds", ".2f"),
+                              ("peak RSS per rank MB", "rss_mb", ".0f")]))
+    if not rows:
+        write_json(args.out, {"machine": machine_info(torch.device("cpu")), "args": vars(args), "cp": cp_rows})
+        return 0
     base = rows[0]["held_max"] if rows and rows[0]["world"] == 1 else None
     for r in rows:
         r["held_mb"] = r["held_max"] / 1e6
@@ -147,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("planner MB", "planned_mb", ".2f"), ("of one process", "fraction", ".3f"),
                        ("peak RSS per rank MB", "rss_mb", ".0f"), ("tokens/s", "tokens_per_s", ",.0f")]))
     write_json(args.out, {"machine": machine_info(torch.device("cpu")), "parameters": n_params,
-                          "args": vars(args), "rows": rows})
+                          "args": vars(args), "rows": rows, "cp": cp_rows})
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from griffin.arguments import renamed
 from griffin.config import PRESETS, ModelConfig
 from griffin.io import write_json
+from griffin.parallel.context_parallel import check_context_parallel
 from griffin.parallel.plan import GPUS, Layout, describe, estimate, format_plan, plan
 
 
@@ -19,16 +20,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpu = GPUS[args.gpu]
     if args.gpus < 1:
         raise ValueError(f"--gpus {args.gpus} must be positive")
+    cp = args.cp
+    check_context_parallel(config, cp, args.seq_len)
     if args.tp or args.dp_shard or args.dp_replicate:  # one layout, in detail
         tp, dp_shard = args.tp or 1, args.dp_shard or 1
-        if args.gpus % (tp * dp_shard):
-            raise ValueError(f"tp={tp} × dp_shard={dp_shard} does not divide --gpus {args.gpus}")
-        replicate = args.dp_replicate or args.gpus // (tp * dp_shard)
-        if replicate * dp_shard * tp != args.gpus:
-            raise ValueError(f"dp_replicate={replicate} × dp_shard={dp_shard} × tp={tp} = "
-                             f"{replicate * dp_shard * tp}, not --gpus {args.gpus}")
+        cp_text = f" × cp={cp}" if cp > 1 else ""
+        if args.gpus % (tp * dp_shard * cp):
+            raise ValueError(f"tp={tp} × dp_shard={dp_shard}{cp_text} does not divide --gpus {args.gpus}")
+        replicate = args.dp_replicate or args.gpus // (tp * dp_shard * cp)
+        if replicate * dp_shard * cp * tp != args.gpus:
+            raise ValueError(f"dp_replicate={replicate} × dp_shard={dp_shard}{cp_text} × tp={tp} = "
+                             f"{replicate * dp_shard * cp * tp}, not --gpus {args.gpus}")
         layout = Layout(replicate, dp_shard, tp, args.micro_batch, args.activation_checkpointing,
-                        args.sequence_parallel, args.cpu_offload)
+                        args.sequence_parallel, args.cpu_offload, cp)
         estimates = [estimate(config, gpu, layout, args.seq_len, args.global_batch, args.loss_chunk)]
         e = estimates[0]
         print(f"{args.preset} on {args.gpus} x {gpu.name}: {describe(e)}; {'fits' if e.fits else 'does NOT fit'}")
@@ -37,7 +41,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                                              for k, v in e.communication.items()))
         print("  time per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in e.time.items()))
     else:
-        estimates = plan(config, args.gpus, gpu, args.seq_len, args.global_batch, args.loss_chunk)
+        estimates = plan(config, args.gpus, gpu, args.seq_len, args.global_batch, args.loss_chunk, cp)
         print(format_plan(config, estimates, gpu, args.gpus, args.seq_len, args.global_batch, args.top))
     if args.json:
         write_json(Path(args.json), {"preset": args.preset, "gpus": args.gpus, "gpu": args.gpu,
@@ -62,6 +66,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="evaluate one layout with this many ZeRO-3 shards (0: 1 when --tp or --dp-replicate is given)")
     p.add_argument("--dp-replicate", type=int, default=0,
                    help="evaluate one layout with this many replicas (0: the GPUs that tp and dp_shard leave)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: each sequence split over this many GPUs (activations ÷ cp, plus the "
+                        "carry, halo and key/value exchanges); the other dims share the GPUs it leaves")
     renamed(p, "--micro-batch", p.add_argument("--micro-batch-size", type=int, default=1, dest="micro_batch",
                                                help="sequences per GPU per micro-step (one layout)"))
     p.add_argument("--activation-checkpointing", action="store_true",

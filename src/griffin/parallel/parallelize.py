@@ -1,11 +1,14 @@
-"""One call that lays a model over a ``dp_replicate × dp_shard × tp`` mesh (Section 4.1), in torchtitan's order:
-tensor parallelism, activation checkpointing, ``torch.compile`` per block, then FSDP; and the helpers a training
+"""One call that lays a model over a ``dp_replicate × dp_shard × cp × tp`` mesh (Section 4.1), in torchtitan's order:
+context parallelism, tensor parallelism, activation checkpointing, ``torch.compile`` per block, then FSDP (over
+``dp_shard × cp``: the cp ranks of a replica hold the same weights and reduce their gradients like data-parallel
+ranks); and the helpers a training
 loop needs on such a model (gradient norm over DTensors, the whole model gathered back)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from griffin.config import ModelConfig
 from griffin.model import CausalLM
+from griffin.parallel.context_parallel import apply_context_parallel, check_context_parallel
 from griffin.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp
 from griffin.parallel.mesh import ParallelDims
 from griffin.parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -38,12 +42,19 @@ class ParallelOptions:
 
 def dp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
     """The mesh FSDP shards over: ``dp_shard`` (ZeRO-3), ``dp_replicate × dp_shard`` (HSDP, or plain replication
-    when dp_shard is 1), or None without data parallelism."""
-    if dims.dp == 1:
+    when dp_shard is 1), or None without data parallelism. With cp > 1, ``dp_shard × cp`` flattened into one dim
+    (``dp_shard_cp``) takes the place of ``dp_shard``: the cp ranks' gradients are partial sums, reduced with the
+    data-parallel ones."""
+    if dims.dp * dims.cp == 1:
         return None
+    if dims.cp == 1:
+        return mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if dims.dp_replicate == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]
+        return flat
+    with warnings.catch_warnings():  # (PyTorch's notice that slicing a flattened dim will change; it is the way now)
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def parallelize(model: CausalLM, mesh: DeviceMesh, dims: ParallelDims,
@@ -51,13 +62,22 @@ def parallelize(model: CausalLM, mesh: DeviceMesh, dims: ParallelDims,
     """Apply the layout to ``model`` in place (every rank built it with the same weights, or on the meta device) and
     return it. Refuses, with the values named, a tp that cannot split the model and options it cannot combine."""
     check_tensor_parallel(model.config, dims.tp)
+    check_context_parallel(model.config, dims.cp)
     if options.sequence_parallel and dims.tp == 1:
         raise ValueError("sequence parallelism splits the sequence over the tp devices: it needs tp > 1")
-    if options.cpu_offload and dims.dp == 1:
+    if options.compile and dims.cp > 1:
+        raise ValueError(f"compiled blocks (compile=True) with context parallelism (cp={dims.cp}) are not supported: "
+                         "the carry, halo and key/value exchanges are not traced; drop --compile")
+    if options.sequence_parallel and dims.cp > 1:
+        raise ValueError(f"sequence parallelism (over tp={dims.tp}) with context parallelism (cp={dims.cp}) is not "
+                         "supported: cp already splits the sequence; drop --sequence-parallel")
+    if options.cpu_offload and dims.dp * dims.cp == 1:
         raise ValueError("cpu_offload moves FSDP's sharded state to the CPU: it needs data parallelism (dp > 1)")
     if options.cpu_offload and mesh.device_type == "cpu":
         raise ValueError("cpu_offload moves FSDP's sharded state from GPU memory to the CPU; this model already "
                          "trains on the CPU")
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh["cp"].get_group())
     apply_tensor_parallel(model, mesh["tp"], options.sequence_parallel)
     if options.activation_checkpointing:
         apply_activation_checkpointing(model)

@@ -1,7 +1,8 @@
 """The cluster planner (``griffin plan``): for a model on N GPUs of a kind, the bytes each device holds, the
-communication of tensor parallelism and FSDP per step, and a step-time and MFU estimate for every layout
-``dp_replicate × dp_shard × tp`` (with or without activation checkpointing and sequence parallelism, at the
-fastest micro-batch that fits); it names the layouts that fit and the fastest (Section 4.1).
+communication of tensor parallelism, FSDP and context parallelism per step, and a step-time and MFU estimate for
+every layout ``dp_replicate × dp_shard × tp`` (with or without activation checkpointing and sequence parallelism, at
+the fastest micro-batch that fits; with a given ``cp``, each sequence split over cp devices); it names the layouts
+that fit and the fastest (Section 4.1).
 
 Memory per device, bytes (the model's own accounting, as :mod:`griffin.parallel` lays it out):
 
@@ -16,14 +17,18 @@ Memory per device, bytes (the model's own accounting, as :mod:`griffin.parallel`
   counted tensor by tensor from the implementation and checked against the saved tensors of a forward pass on CPU),
   divided by tp where tensor parallelism splits the tensor and, with sequence parallelism, the norms too; with
   activation checkpointing only each block's input stays, plus one block recomputed; plus the loss's logits,
-  ``loss_chunk`` rows of V/tp at a time;
+  ``loss_chunk`` rows of V/tp at a time. Under context parallelism each device holds seq_len / cp tokens of each
+  sequence (activations ÷ cp), plus what the shard boundaries add (:func:`context_parallel_bytes`): the Conv1D
+  halo and the RG-LRU carries, local attention's (window - 1) earlier keys and values, and for global attention the
+  gathered keys and values of the whole sequence; FSDP then shards over dp_shard × cp;
 - a reserve for the CUDA context, NCCL buffers and fragmentation (``RESERVE_BYTES``).
 
 Time per step, seconds: matmul FLOPs (:func:`griffin.flops.training_flops_per_token`, split over tp; one more
 forward pass with activation checkpointing) at ``MATMUL_EFFICIENCY`` of the data sheet's dense bf16 peak; the
 elementwise work and the scan as memory-bound (each activation byte written once and read twice at HBM bandwidth);
 tensor parallelism's all-reduces on the critical path (NVLink inside a node, the network across); FSDP's gathers and
-reduce-scatters overlapped with compute, only their excess exposed. These are modelling assumptions, not
+reduce-scatters overlapped with compute, only their excess exposed; context parallelism's all-gathers (forward) and
+all-reduces (backward) of carries, halos and keys on the critical path. These are modelling assumptions, not
 measurements: GPU runs of these layouts are not part of this repository's measured results (docs/distributed.md).
 """
 
@@ -39,6 +44,7 @@ from griffin.config import ModelConfig
 from griffin.flops import training_flops_per_token
 from griffin.model import CausalLM
 from griffin.ops.attention import local_chunk
+from griffin.parallel.context_parallel import check_context_parallel
 from griffin.parallel.mesh import ParallelDims
 from griffin.parallel.tensor_parallel import check_tensor_parallel, parameter_shard_dims
 
@@ -81,15 +87,17 @@ class Layout:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     cpu_offload: bool = False
+    cp: int = 1
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.tp)
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.tp, self.cp)
 
     def __str__(self) -> str:
         flags = "".join(f" +{n}" for n, on in (("ac", self.activation_checkpointing), ("sp", self.sequence_parallel),
                                                 ("offload", self.cpu_offload)) if on)
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.tp} mb{self.micro_batch}{flags}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.tp}{cp} mb{self.micro_batch}{flags}"
 
 
 @dataclass
@@ -187,10 +195,65 @@ def activation_bytes_per_token(config: ModelConfig, kind: str, seq_len: int, com
     return total
 
 
+def context_parallel_bytes(config: ModelConfig, seq_len: int, cp: int, compute_bytes: int = 2,
+                           tp: int = 1) -> float:
+    """Bytes per sequence that autograd keeps on one of cp devices beyond its seq_len / cp tokens' activations
+    (:mod:`griffin.parallel.context_parallel`), summed over the blocks: per recurrent block the scan's output from a
+    zero state, which the RG-LRU kernel keeps beside the corrected one ((seq_len / cp) · R / tp), the Conv1D halo
+    ((K - 1) · R / tp) and the gathered carries (2 · cp · R / tp, float32 or wider; the decay correction keeps
+    nothing per token: its decays are recomputed in the backward pass); per local-attention block the
+    (window - 1) earlier keys and values; per global-attention block the keys and values gathered from the earlier
+    shards (those of the last rank: (seq_len - seq_len / cp) · 2 · H_kv · head_dim). 0 without cp; the counts
+    are checked against the tensors autograd keeps in benchmarks/distributed_cpu.py (``--cp``)."""
+    if cp == 1:
+        return 0.0
+    b, R = compute_bytes, config.rnn_width / tp
+    acc = max(4, b)
+    kv = config.num_kv_heads * config.head_dim * b / (tp if config.num_kv_heads % tp == 0 else 1)
+    shard = seq_len // cp
+    total = 0.0
+    for kind in config.block_types:
+        if kind == "recurrent":
+            total += (shard + config.conv1d_width - 1) * R * b + 2 * cp * R * acc
+        elif kind == "local_attention":
+            total += (config.attention_window - 1) * 2 * kv
+        else:
+            total += (seq_len - shard) * 2 * kv
+    return total
+
+
+def context_parallel_traffic(config: ModelConfig, seq_len: int, cp: int, compute_bytes: int = 2,
+                             tp: int = 1) -> tuple[float, int]:
+    """(bytes one device sends per sequence, forward and backward; collectives on the critical path): per block, an
+    all-gather over cp in the forward pass (ring: (cp - 1) / cp of the gathered tensor) and an all-reduce of its
+    gradient in the backward pass (2 (cp - 1) / cp of it). Gathered per rank: the recurrent blocks' carries
+    (2 · R float32) and Conv1D tails ((K - 1) · R), local attention's last (window - 1) keys and values (or the
+    whole shard if shorter), global attention's whole shard of keys and values."""
+    if cp == 1:
+        return 0.0, 0
+    b, R = compute_bytes, config.rnn_width / tp
+    kv = config.num_kv_heads * config.head_dim * b / (tp if config.num_kv_heads % tp == 0 else 1)
+    shard = seq_len // cp
+    sent, collectives = 0.0, 0
+    for kind in config.block_types:
+        if kind == "recurrent":
+            per_rank = 2 * R * max(4, b) + min(config.conv1d_width - 1, shard) * R * b
+            collectives += 4
+        elif kind == "local_attention":
+            per_rank = min(config.attention_window - 1, shard) * 2 * kv
+            collectives += 2
+        else:
+            per_rank = shard * 2 * kv
+            collectives += 2
+        sent += 3 * (cp - 1) * per_rank  # all-gather: (cp-1)/cp of cp shares; all-reduce: twice that
+    return sent, collectives
+
+
 def memory_per_device(config: ModelConfig, layout: Layout, seq_len: int, compute_bytes: int = 2,
                       loss_chunk: int = 4096) -> dict[str, float]:
     """Bytes one device holds at its peak, by kind (see the module docstring); ``total`` is their sum."""
-    shards = parameter_shards(config, layout.tp, layout.dp_shard)
+    cp = layout.cp
+    shards = parameter_shards(config, layout.tp, layout.dp_shard * cp)
     sharded = sum(s["shard"] for s in shards.values())
     groups: dict[str, int] = {}
     for s in shards.values():
@@ -200,11 +263,13 @@ def memory_per_device(config: ModelConfig, layout: Layout, seq_len: int, compute
     on_device = 0.0 if layout.cpu_offload else 1.0
     mem = {"parameters": 4.0 * sharded * on_device, "gradients": 4.0 * sharded * on_device,
            "optimizer": 8.0 * sharded * on_device}
-    fsdp = layout.dims.dp > 1
+    fsdp = layout.dims.dp * cp > 1
     mem["gathered"] = (compute_bytes * (2 * biggest_block + root) + 4.0 * biggest_block) if fsdp else 0.0
-    tokens = layout.micro_batch * seq_len
-    per_block = [activation_bytes_per_token(config, kind, seq_len, compute_bytes, layout.tp,
-                                            layout.sequence_parallel) for kind in config.block_types]
+    tokens = layout.micro_batch * seq_len // cp  # this device's shard of each sequence
+    # local attention chunks the shard; global attention's queries see up to the whole sequence's keys
+    per_block = [activation_bytes_per_token(config, kind, seq_len // cp if kind == "local_attention" else seq_len,
+                                            compute_bytes, layout.tp, layout.sequence_parallel)
+                 for kind in config.block_types]
     stream = config.width * compute_bytes / (layout.tp if layout.sequence_parallel else 1)
     if layout.activation_checkpointing:
         blocks = tokens * (stream * len(per_block) + max(per_block))
@@ -213,6 +278,9 @@ def memory_per_device(config: ModelConfig, layout: Layout, seq_len: int, compute
     rows = min(tokens, loss_chunk) if loss_chunk else tokens
     head = tokens * (2 * stream + 4 * config.width) + 2 * 4.0 * rows * config.vocab_size / layout.tp
     mem["activations"] = blocks + head
+    if cp > 1:
+        mem["activations"] += layout.micro_batch * context_parallel_bytes(config, seq_len, cp, compute_bytes,
+                                                                           layout.tp)
     mem["reserve"] = float(RESERVE_BYTES)
     mem["total"] = sum(mem.values())
     return mem
@@ -230,6 +298,8 @@ def estimate(config: ModelConfig, gpu: GPU, layout: Layout, seq_len: int, global
     on ``layout`` (``layout.micro_batch`` sequences per device at a time, accumulated)."""
     check_tensor_parallel(config, layout.tp)
     dims = layout.dims
+    if seq_len % layout.cp:
+        raise ValueError(f"seq_len={seq_len} is not a multiple of cp={layout.cp}")
     notes = []
     if global_batch % dims.dp:
         raise ValueError(f"global_batch={global_batch} is not divisible by the {dims.dp} data-parallel ranks")
@@ -244,8 +314,8 @@ def estimate(config: ModelConfig, gpu: GPU, layout: Layout, seq_len: int, global
     tp_local = sum(s["tp_local"] for s in shards.values())
     # tensor parallelism: per micro-batch, two all-reduces per block forward and backward (one more pair of each
     # with recomputation), the embedding's and the loss's; ring all-reduce moves 2 (n-1)/n of the tensor
-    tokens = layout.micro_batch * seq_len
-    comm: dict[str, float] = {"tp": 0.0, "fsdp": 0.0, "replicate": 0.0}
+    tokens = layout.micro_batch * seq_len // layout.cp
+    comm: dict[str, float] = {"tp": 0.0, "fsdp": 0.0, "replicate": 0.0, "cp": 0.0}
     times = {}
     if layout.tp > 1:
         per_block = 4 + (2 if layout.activation_checkpointing else 0)
@@ -256,12 +326,19 @@ def estimate(config: ModelConfig, gpu: GPU, layout: Layout, seq_len: int, global
         times["tp_comm"] = comm["tp"] / bw + accum * n_allreduce * LATENCY_S[link]
     else:
         times["tp_comm"] = 0.0
-    if dims.dp > 1:
-        n = layout.dp_shard
+    if layout.cp > 1:
+        sent, collectives = context_parallel_traffic(config, seq_len, layout.cp, b, layout.tp)
+        comm["cp"] = accum * layout.micro_batch * sent
+        bw, link = _bandwidth(gpu, layout.tp * layout.cp)
+        times["cp_comm"] = comm["cp"] / bw + accum * collectives * LATENCY_S[link]
+    else:
+        times["cp_comm"] = 0.0
+    if dims.dp * layout.cp > 1:
+        n = layout.dp_shard * layout.cp
         gathers = 2 * (n - 1) / n * tp_local * b  # forward and backward all-gathers of the bf16 parameters
         scatter = (n - 1) / n * tp_local * 4  # reduce-scatter of float32 gradients
         comm["fsdp"] = accum * (gathers + scatter)
-        bw, link = _bandwidth(gpu, layout.tp * layout.dp_shard)
+        bw, link = _bandwidth(gpu, layout.tp * n)
         times["fsdp_comm"] = comm["fsdp"] / bw + accum * 3 * (config.depth + 1) * LATENCY_S[link] * (n > 1)
         if layout.dp_replicate > 1:
             r = layout.dp_replicate
@@ -271,7 +348,7 @@ def estimate(config: ModelConfig, gpu: GPU, layout: Layout, seq_len: int, global
         times["fsdp_comm"] = 0.0
     if layout.cpu_offload:  # the sharded state crosses PCIe twice a step and AdamW runs on the CPU
         notes.append("cpu_offload: PCIe transfers and the CPU optimizer step are not modelled")
-    step_tokens = per_rank * seq_len
+    step_tokens = per_rank * seq_len // layout.cp
     matmul = training_flops_per_token(config, seq_len, include_elementwise=False) * step_tokens / layout.tp
     if layout.activation_checkpointing:
         matmul *= 4 / 3
@@ -281,26 +358,28 @@ def estimate(config: ModelConfig, gpu: GPU, layout: Layout, seq_len: int, global
     times["memory_bound"] = 3 * per_token * step_tokens / gpu.hbm_bandwidth
     busy = times["compute"] + times["memory_bound"]
     times["fsdp_exposed"] = max(0.0, times["fsdp_comm"] - busy)
-    times["step"] = busy + times["tp_comm"] + times["fsdp_exposed"]
+    times["step"] = busy + times["tp_comm"] + times["cp_comm"] + times["fsdp_exposed"]
     tokens_per_s = global_batch * seq_len / times["step"]
     model_flops = training_flops_per_token(config, seq_len, include_elementwise=False)
     mfu = model_flops * tokens_per_s / (gpu.flops * dims.world_size)
     return Estimate(layout, mem, comm, times, tokens_per_s, mfu, fits, accum, notes)
 
 
-def candidate_layouts(config: ModelConfig, gpus: int, gpu: GPU, seq_len: int, global_batch: int) -> list[Layout]:
+def candidate_layouts(config: ModelConfig, gpus: int, gpu: GPU, seq_len: int, global_batch: int,
+                      cp: int = 1) -> list[Layout]:
     """Every layout of ``gpus`` devices this model can run: tp dividing the model's counts and at most a node,
-    any split of the rest into dp_replicate × dp_shard, micro-batches of powers of two dividing each rank's
-    sequences, with and without activation checkpointing (and sequence parallelism when tp > 1)."""
+    any split of the rest (after ``cp``) into dp_replicate × dp_shard, micro-batches of powers of two dividing each
+    rank's sequences, with and without activation checkpointing (and sequence parallelism when tp > 1 and cp = 1)."""
+    check_context_parallel(config, cp, seq_len)
     out = []
     for tp in range(1, min(gpus, gpu.per_node) + 1):
-        if gpus % tp:
+        if gpus % (tp * cp):
             continue
         try:
             check_tensor_parallel(config, tp)
         except ValueError:
             continue
-        dp = gpus // tp
+        dp = gpus // (tp * cp)
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
@@ -308,19 +387,19 @@ def candidate_layouts(config: ModelConfig, gpus: int, gpu: GPU, seq_len: int, gl
             micro = [m for m in (2**i for i in range(0, 12)) if m <= per_rank and per_rank % m == 0]
             for mb in micro:
                 for ac in (False, True):
-                    for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
-                        out.append(Layout(dp // dp_shard, dp_shard, tp, mb, ac, sp))
+                    for sp in ((False, True) if tp > 1 and seq_len % tp == 0 and cp == 1 else (False,)):
+                        out.append(Layout(dp // dp_shard, dp_shard, tp, mb, ac, sp, cp=cp))
     return out
 
 
 def plan(config: ModelConfig, gpus: int, gpu: GPU, seq_len: int = 2048, global_batch: int = 1024,
-         loss_chunk: int = 4096) -> list[Estimate]:
+         loss_chunk: int = 4096, cp: int = 1) -> list[Estimate]:
     """Every candidate layout's estimate, keeping per (mesh, options) the fastest micro-batch that fits (or the
     smallest if none does); fitting layouts first, fastest first."""
     if gpus < 1:
         raise ValueError(f"gpus={gpus} must be positive")
     best: dict[tuple, Estimate] = {}
-    for layout in candidate_layouts(config, gpus, gpu, seq_len, global_batch):
+    for layout in candidate_layouts(config, gpus, gpu, seq_len, global_batch, cp):
         est = estimate(config, gpu, layout, seq_len, global_batch, loss_chunk)
         key = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.activation_checkpointing,
                layout.sequence_parallel)
@@ -367,7 +446,8 @@ def format_plan(config: ModelConfig, estimates: list[Estimate], gpu: GPU, gpus: 
 
 def describe(e: Estimate) -> str:
     lay = e.layout
-    return (f"dp_replicate={lay.dp_replicate} x dp_shard={lay.dp_shard} x tp={lay.tp}, micro-batch "
+    return (f"dp_replicate={lay.dp_replicate} x dp_shard={lay.dp_shard}"
+            + (f" x cp={lay.cp}" if lay.cp > 1 else "") + f" x tp={lay.tp}, micro-batch "
             f"{lay.micro_batch} x {e.grad_accum} accumulated"
             + (", activation checkpointing" if lay.activation_checkpointing else "")
             + (", sequence parallel" if lay.sequence_parallel else "")
@@ -375,5 +455,6 @@ def describe(e: Estimate) -> str:
               f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}")
 
 
-__all__ = ["GPUS", "GPU", "Estimate", "Layout", "activation_bytes_per_token", "candidate_layouts", "describe",
+__all__ = ["GPUS", "GPU", "Estimate", "Layout", "activation_bytes_per_token", "candidate_layouts",
+           "context_parallel_bytes", "context_parallel_traffic", "describe",
            "estimate", "format_plan", "memory_per_device", "parameter_shards", "plan"]

@@ -106,6 +106,9 @@ class TrainConfig:
     dp_shard: int = _opt(1, "data-parallel devices that shard parameters, gradients and AdamW states (ZeRO-3, FSDP2)")
     dp_replicate: int = _opt(0, "data-parallel replicas of the (sharded) model; 0: the processes tp and dp_shard "
                                 "leave (with tp = dp_shard = 1: plain DistributedDataParallel, as without these flags)")
+    cp: int = _opt(1, "context-parallel devices: each sequence split into cp contiguous shards, one per device, for "
+                      "sequences longer than one device holds (the RG-LRU carry, the Conv1D halo and attention's "
+                      "keys and values exchanged; seq_len must be a multiple of cp)")
     sequence_parallel: bool = _opt(False, "with tp > 1: split the norms and the residual stream along the sequence")
     activation_checkpointing: bool = _opt(False, "recompute each residual block in the backward pass (less memory)")
     cpu_offload: bool = _opt(False, "with dp_shard or dp_replicate > 1: keep FSDP's sharded state in CPU memory")
@@ -152,9 +155,12 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
-        for key in ("tp", "dp_shard"):
+        for key in ("tp", "dp_shard", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be a positive integer")
+        if self.seq_len % self.cp:
+            raise ValueError(f"context parallelism splits seq_len={self.seq_len} over cp={self.cp} devices: it must "
+                             "be a multiple of cp")
         for key in ("warmup_steps", "keep_last", "threads", "sample_tokens", "loss_chunk", "dp_replicate", "lora_rank",
                     "eval_examples"):
             if getattr(self, key) < 0:
@@ -169,8 +175,9 @@ class TrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
         if self.lora_rank and not self.init:
             raise ValueError(f"lora_rank={self.lora_rank}: LoRA adapts a pretrained model; give it with --init")
-        if self.lora_rank and (self.tp > 1 or self.dp_shard > 1):
-            raise ValueError(f"lora_rank={self.lora_rank} with tp={self.tp}, dp_shard={self.dp_shard}: LoRA trains in "
+        if self.lora_rank and (self.tp > 1 or self.dp_shard > 1 or self.cp > 1):
+            raise ValueError(f"lora_rank={self.lora_rank} with tp={self.tp}, dp_shard={self.dp_shard}, cp={self.cp}: "
+                             "LoRA trains in "
                              "one process or data-parallel (DistributedDataParallel under torchrun); tp and dp_shard "
                              "lay out a full fine-tune (--lora-rank 0)")
         if self.init and self.model:
@@ -275,8 +282,8 @@ RUN_KEYS = ("preset", "model", "data", "tokenizer", "val_fraction", "seq_len", "
 
 #: Settings of the machine a run happens to use, not of the run: a resumed run takes them from its own flags (or the
 #: defaults), so that a run saved on 4 processes with tp = 2 resumes on one process without repeating them.
-MACHINE_KEYS = ("device", "threads", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing",
-                "cpu_offload")
+MACHINE_KEYS = ("device", "threads", "tp", "dp_shard", "dp_replicate", "cp", "sequence_parallel",
+                "activation_checkpointing", "cpu_offload")
 
 
 def _flag(key: str) -> str:

@@ -21,6 +21,8 @@ class Distributed:
     world_size: int = 1
     local_rank: int = 0
     tp: int = 1  # tensor-parallel ranks per model replica (griffin.training.layout): they share their batches
+    cp: int = 1  # context-parallel ranks per model replica: they share their batches, each holding a shard of the
+    # sequence (griffin.parallel.context_parallel)
 
     @property
     def enabled(self) -> bool:
@@ -33,15 +35,20 @@ class Distributed:
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: each reads its own batches."""
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.cp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // (self.tp * self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        """Which contiguous shard of each sequence this rank holds."""
+        return (self.rank // self.tp) % self.cp
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum of ``value`` over the data-parallel ranks (``value`` itself on one process); the tp ranks of a
-        replica hold the same value, counted once."""
+        """The sum of ``value`` over the data-parallel and context-parallel ranks (``value`` itself on one process);
+        the tp ranks of a replica hold the same value, counted once."""
         if self.enabled:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.SUM)

@@ -29,6 +29,7 @@ from griffin.parallel import (
     ParallelOptions,
     build_mesh,
     build_model,
+    check_context_parallel,
     check_tensor_parallel,
     clip_grad_norm_,
     full_model,
@@ -43,7 +44,7 @@ from griffin.training.config import TrainConfig
 def wants_layout(cfg: TrainConfig) -> bool:
     """Whether the run needs the device mesh (tensor parallelism or sharded data parallelism) rather than plain
     data parallelism."""
-    return cfg.tp > 1 or cfg.dp_shard > 1
+    return cfg.tp > 1 or cfg.dp_shard > 1 or cfg.cp > 1
 
 
 @dataclass
@@ -61,12 +62,13 @@ class Layout:
         """The layout ``cfg`` asks for on ``world_size`` processes; a ValueError names any value that cannot run
         (the product of the sizes, a tp that does not divide the model's heads, widths, gate blocks or vocabulary,
         a sequence length sequence parallelism cannot split)."""
-        dims = ParallelDims.resolve(world_size, cfg.tp, cfg.dp_shard, cfg.dp_replicate)
+        dims = ParallelDims.resolve(world_size, cfg.tp, cfg.dp_shard, cfg.dp_replicate, cfg.cp)
         check_tensor_parallel(model_config, dims.tp)
+        check_context_parallel(model_config, dims.cp, cfg.seq_len)
         if cfg.sequence_parallel and cfg.seq_len % dims.tp:
             raise ValueError(f"sequence parallelism splits seq_len={cfg.seq_len} over tp={dims.tp} devices: it must "
                              "be a multiple of tp")
-        fsdp = dims.dp > 1
+        fsdp = dims.dp * dims.cp > 1
         options = ParallelOptions(sequence_parallel=cfg.sequence_parallel,
                                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
                                   param_dtype=autocast if fsdp else None, cpu_offload=cfg.cpu_offload)
@@ -89,14 +91,17 @@ class Layout:
                                         ("bf16 compute / fp32 reduction", self.options.param_dtype is not None),
                                         ("CPU offload", self.options.cpu_offload)) if on]
         return (f"layout {self.dims} over {self.dims.world_size} processes: {self.dims.dp} data-parallel ranks of "
-                f"{batch_size} sequences" + (f"; {', '.join(extras)}" if extras else ""))
+                f"{batch_size} sequences"
+                + (f", each split into {self.dims.cp} shards of the sequence" if self.dims.cp > 1 else "")
+                + (f"; {', '.join(extras)}" if extras else ""))
 
     def clip(self, model: CausalLM, max_norm: float) -> Tensor:
         return clip_grad_norm_(model.parameters(), max_norm)
 
     def save(self, path: Path, model: CausalLM, optimizer: torch.optim.Optimizer, state: dict[str, Any],
              extra_files: dict[str, Path]) -> Path:
-        layout = {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp}
+        layout = {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp,
+                  "cp": self.dims.cp}
         return save_sharded(path, model, optimizer, state, layout, extra_files)
 
     def gather(self, model: CausalLM) -> CausalLM | None:

@@ -43,6 +43,7 @@ from griffin.interop.adapters import LoraSettings
 from griffin.io import atomic_write
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
+from griffin.parallel import ParallelDims, shard_sequence
 from griffin.training.checkpoint import (
     find_resumable,
     list_checkpoints,
@@ -362,6 +363,8 @@ class Trainer:
         if resume_from is not None:  # before anything is built: a run of another model is refused by its settings
             self._check_run_settings(resume_from)
         self.dist, device = init_distributed(cfg.device)
+        if wants_layout(cfg):  # a layout the processes cannot form is refused before the data is prepared
+            ParallelDims.resolve(self.dist.world_size, cfg.tp, cfg.dp_shard, cfg.dp_replicate, cfg.cp)
         self.device = resolve_device(device)
         self.autocast = resolve_precision(cfg.precision, self.device)
         if cfg.threads:
@@ -524,7 +527,7 @@ class Trainer:
             raise ValueError("a BatchSource trains in one process; tp and dp_shard need a prepared dataset")
         layout = Layout.create(cfg, self.dist.rank, self.dist.world_size, self.device, self.autocast,
                                self.model_config)
-        self.dist = dataclasses.replace(self.dist, tp=layout.dims.tp)
+        self.dist = dataclasses.replace(self.dist, tp=layout.dims.tp, cp=layout.dims.cp)
         if not layout.autocast:  # FSDP's mixed-precision policy computes in bf16 instead
             self.autocast = None
         return layout
@@ -557,10 +560,14 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
+    def _shard(self, t: Tensor) -> Tensor:
+        """This rank's contiguous shard of the sequences under context parallelism (``t`` itself without)."""
+        return t if self.dist.cp == 1 else shard_sequence(t, self.dist.cp_rank, self.dist.cp)
+
     def _loss_sum(self, batch) -> tuple[Tensor, Tensor]:
-        ids = batch.input_ids.to(self.device, non_blocking=True)
-        positions = batch.positions.to(self.device, non_blocking=True)
-        targets = batch.targets.to(self.device, non_blocking=True)
+        ids = self._shard(batch.input_ids).to(self.device, non_blocking=True)
+        positions = self._shard(batch.positions).to(self.device, non_blocking=True)
+        targets = self._shard(batch.targets).to(self.device, non_blocking=True)
         with self._autocast():
             loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk)
         return loss, (targets != IGNORE_INDEX).sum()
@@ -569,10 +576,11 @@ class Trainer:
         """One optimizer update over ``grad_accum`` micro-batches; the loss is the mean over all their targets."""
         cfg = self.cfg
         batches = [next(self.loader) for _ in range(cfg.grad_accum)]
-        local = sum(int((b.targets != IGNORE_INDEX).sum()) for b in batches)
+        local = sum(int((self._shard(b.targets) != IGNORE_INDEX).sum()) for b in batches)
         count = max(int(self.dist.sum(torch.tensor(local, device=self.device))), 1)
-        # DDP averages gradients over ranks, so each rank scales its sum by world_size / (targets on all ranks).
-        scale = self.dist.dp_size / count
+        # DDP (or FSDP, over dp × cp) averages gradients over ranks, so each rank scales its sum by the ranks averaged
+        # over / (targets on all ranks); a cp rank's loss is over its shard's targets, the sum over cp the whole.
+        scale = self.dist.dp_size * self.dist.cp / count
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             sync = self.ddp is None or i == len(batches) - 1
