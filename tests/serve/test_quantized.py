@@ -70,3 +70,28 @@ def test_quantize_options_refused_by_name(gen, tmp_path):
     assert quantization_of(served_model(str(tmp_path / "int8"), "--quantize", "int8")) is not None
     with pytest.raises(SystemExit):
         serve_config(ckpt, "--quantize", "int4")
+
+
+def test_one_row_steps_of_an_int8_batch_run_the_matvec_kernel(gen):
+    """Where a batch of int8 rows runs PyTorch's int8 matmul, a lone row decodes through the matvec kernel (its
+    one-row path), a second copy sharing the weights; the tokens are the int8 model's own."""
+    from griffin.inference.cpu.linear import Int8PackLinear, MatvecLinear, int8pack_for
+    from griffin.serve.engine import Engine
+    from griffin.serve.sampling import SamplingParams
+    from tests.serve.test_engine import BYTES
+
+    model = quantize_int8(tiny_model(gen, width=64).to(torch.bfloat16))
+    engine = Engine(model, BYTES, max_batch=32)
+    if not any(isinstance(m, Int8PackLinear) for m in engine.step_model.modules()):
+        assert not int8pack_for(32)  # this host's kernel takes 32 int8 rows itself: one model does both
+        return
+    assert engine.one_row_model is not engine.step_model
+    assert not any(isinstance(m, Int8PackLinear) for m in engine.one_row_model.modules())
+    assert any(isinstance(m, MatvecLinear) for m in engine.one_row_model.modules())
+    engine.start()
+    try:
+        prompt = list(b"one row at a time")
+        out = engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0))
+        assert out.choices[0].token_ids == generate(model, [prompt], 8, temperature=0)[0]
+    finally:
+        engine.stop()

@@ -45,6 +45,7 @@ from torch import Tensor
 from griffin.cache import Cache
 from griffin.data.tokenizer import Tokenizer
 from griffin.inference import Decoder
+from griffin.inference.cpu.linear import Int8PackLinear
 from griffin.inference.cpu.prepack import PackedLinear
 from griffin.inference.cpu.upcast import prefill_model
 from griffin.inference.generate import decode_model
@@ -292,10 +293,11 @@ class Engine:
         self.device = model.device
         # the decode copy of the model (matvec kernel or prepacked matmuls), made once: every step reuses it
         self.step_model = decode_model(self.model, max_batch, prepack)
-        # a step of one row: where the batch runs oneDNN's prepacked matmuls, the matvec kernel (decode_model's
-        # default at one row, several times faster there) in a second copy sharing the weights; else the same model
-        prepacked = any(isinstance(m, PackedLinear) for m in self.step_model.modules())
-        one_row = prepacked and prepack is None and not compile
+        # a step of one row: where the batch runs oneDNN's prepacked matmuls or PyTorch's int8 matmul, the matvec
+        # kernel (decode_model's default at one row, several times faster there) in a second copy sharing the
+        # weights; else the same model
+        batched = any(isinstance(m, (PackedLinear, Int8PackLinear)) for m in self.step_model.modules())
+        one_row = batched and prepack is None and not compile
         self.one_row_model = decode_model(self.model, 1) if one_row else self.step_model
         self.prefill_model = prefill_model(self.model)  # bfloat16 on a CPU without its matmul: float32 matmuls
         self.cache = model.init_cache(max_batch, self.max_length)
@@ -563,6 +565,8 @@ class Engine:
         group: list[_Job] = []
         length = 0
         for i, job in enumerate(self.jobs):
+            if group and (len(group) + 1) * length > budget:
+                break
             if not job.started:
                 if group and any(self._waits_for(job, other) for other in self.jobs[:i]):
                     continue
@@ -577,7 +581,7 @@ class Engine:
                 group, length = [job], n
                 if logprobs:
                     break
-            elif n == length and not logprobs and (len(group) + 1) * length <= budget:
+            elif n == length and not logprobs:
                 group.append(job)
         return group
 
