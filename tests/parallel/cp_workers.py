@@ -5,10 +5,6 @@ tiny). Results go to a JSON file per rank."""
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,48 +13,7 @@ import torch.distributed as dist
 from griffin import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.parallel.context_parallel import apply_context_parallel, shard_sequence
-from tests.parallel.workers import free_port, tiny
-
-
-def run(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict) -> None:
-    """torch.multiprocessing.spawn's entry point (as tests/parallel/workers.py's)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        result = globals()[fn_name](rank=rank, world=world, out=Path(out), **kwargs)
-        (Path(out) / f"result-{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def spawn(world: int, fn_name: str, out: Path, timeout: float = 300, **kwargs) -> list[dict]:
-    """Run ``fn_name`` in ``world`` spawned processes; return each rank's result (a rank's traceback if one failed)."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(run, args=(world, free_port(), str(out), fn_name, kwargs), nprocs=world,
-                             start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn_name} on {world} processes took over {timeout} s")
-    except mp.ProcessRaisedException as err:
-        errors = [p.read_text() for p in sorted(out.glob("error-*.txt"))]
-        raise AssertionError("\n".join(errors) or str(err)) from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [json.loads((out / f"result-{r}.json").read_text()) for r in range(world)]
+from tests.parallel.workers import tiny
 
 
 def case_positions(kind: str, batch: int, seq_len: int, cp: int, gen: torch.Generator) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ import torch
 
 from griffin.parallel.context_parallel import check_context_parallel, combine_carries, shard_sequence
 from tests.parallel import cp_workers
-from tests.parallel.workers import tiny
+from tests.parallel.workers import spawn, tiny
 
 TOL = 1e-10
 # (name, family, seq_len, positions, overrides): seq_len 24 gives shards of 12 (cp = 2) and 6 (cp = 4); the tiny
@@ -55,14 +55,14 @@ def cp2(tmp_path_factory, seed) -> dict:
     """One 2-process spawn for every cp = 2 check (a spawn costs most of the time)."""
     out = tmp_path_factory.mktemp("cp2")
     ckpt = out / "ckpt" / "step_00000002"
-    result = cp_workers.spawn(2, "two_ranks", out / "run", seed=seed, ckpt=str(ckpt), cases=cases())[0]
+    result = spawn(2, "tests.parallel.cp_workers:two_ranks", out / "run", seed=seed, ckpt=str(ckpt), cases=cases())[0]
     return {**result, "ckpt": ckpt, "seed": seed}
 
 
 @pytest.fixture(scope="module")
 def cp4(tmp_path_factory, seed) -> dict:
     out = tmp_path_factory.mktemp("cp4")
-    return cp_workers.spawn(4, "four_ranks", out / "run", seed=seed, cases=cases())[0]
+    return spawn(4, "tests.parallel.cp_workers:four_ranks", out / "run", seed=seed, cases=cases())[0]
 
 
 def check(result: dict, name: str) -> None:

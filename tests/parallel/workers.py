@@ -4,6 +4,7 @@ computes that reference too: the models are tiny). Results go to a JSON file per
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import traceback
@@ -36,13 +37,16 @@ def tiny(family: str) -> ModelConfig:
 
 
 def run(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict) -> None:
-    """torch.multiprocessing.spawn's entry point: the process group, then ``fn_name(**kwargs)``; a failure is written
-    to ``out/error-<rank>.txt`` (and re-raised) so that the test shows it."""
+    """torch.multiprocessing.spawn's entry point: the process group, then ``fn_name(**kwargs)`` (a function of this
+    module, or ``"module:function"`` of another); a failure is written to ``out/error-<rank>.txt`` (and re-raised) so
+    that the test shows it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    module, _, name = fn_name.rpartition(":")
+    fn = getattr(importlib.import_module(module), name) if module else globals()[name]
     try:
-        result = globals()[fn_name](rank=rank, world=world, out=Path(out), **kwargs)
+        result = fn(rank=rank, world=world, out=Path(out), **kwargs)
         (Path(out) / f"result-{rank}.json").write_text(json.dumps(result))
     except BaseException:
         (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())

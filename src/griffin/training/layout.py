@@ -1,12 +1,13 @@
-"""``griffin train --tp N --dp-shard N --dp-replicate N``: the trainer's side of :mod:`griffin.parallel` (Section 4.1).
+"""``griffin train --tp N --dp-shard N --dp-replicate N --cp N``: the trainer's side of :mod:`griffin.parallel`
+(Section 4.1).
 
-With tp = dp_shard = 1 nothing here is used: one process trains as it always did, and under torchrun the run is
+With tp = dp_shard = cp = 1 nothing here is used: one process trains as it always did, and under torchrun the run is
 data parallel with DistributedDataParallel (``griffin.training.distributed``). Otherwise the processes form a
-``dp_replicate × dp_shard × tp`` mesh: the model is split by tensor parallelism over tp and sharded by FSDP over
-dp_shard (replicated over dp_replicate), each data-parallel rank reads its own batches (``--batch-size`` stays per
-data-parallel rank), checkpoints are sharded (every rank writes its part) and load back on any layout, and the
-sample at the end is drawn from the model gathered on rank 0.
-"""
+``dp_replicate × dp_shard × cp × tp`` mesh: the model is split by tensor parallelism over tp, each sequence into cp
+contiguous shards (:mod:`griffin.parallel.context_parallel`), and sharded by FSDP over dp_shard × cp (replicated over
+dp_replicate), each data-parallel rank reads its own batches (``--batch-size`` stays per data-parallel rank),
+checkpoints are sharded (every rank writes its part) and load back on any layout, and the sample at the end is drawn
+from the model gathered on rank 0."""
 
 from __future__ import annotations
 
