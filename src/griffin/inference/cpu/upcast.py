@@ -7,7 +7,8 @@ parameters) whose weight matmuls, on inputs of at least :data:`MIN_ROWS` rows, c
 call, multiply in float32 and round the result to bfloat16: what a bfloat16 matmul computes (float32 accumulation,
 one rounding), in another summation order. Converting a weight costs about one pass over it, small beside a matmul of
 many rows; below :data:`MIN_ROWS` (decode steps, short chunks) the bfloat16 matmul is faster and runs as it is.
-docs/performance.md ("Serving", prefill) measures both; the weights stay bfloat16 in memory.
+``benchmarks/serve_load.py`` measures the prefill's tokens/s (docs/performance.md, "Serving"); the weights stay
+bfloat16 in memory.
 """
 
 from __future__ import annotations
