@@ -96,15 +96,10 @@ class Cache:
         """Overwrite ``rows`` of this cache, in place, with the rows of ``other`` (as many, same model and slots): a
         new sequence joins a running batch, at its own position."""
         index = self._rows(rows)
-        if other.config.replace(name="") != self.config.replace(name=""):
-            raise ValueError("cannot insert rows of a cache made for a different model config")
+        self._check_rows_fit(other, "insert rows of")
         if other.batch_size != len(index):
             raise ValueError(f"{len(index)} rows to overwrite but the other cache holds {other.batch_size}")
         mine, theirs = self.tensors(), other.tensors()
-        for name, t in mine.items():
-            if theirs[name].shape[1:] != t.shape[1:]:
-                raise ValueError(f"{name} is {tuple(theirs[name].shape[1:])} per row in the other cache, "
-                                 f"{tuple(t.shape[1:])} here (another max_length?)")
         for name, t in mine.items():
             t[index.to(t.device)] = theirs[name].to(t.device, t.dtype)
         self.length = max(self.length, other.length)
@@ -118,19 +113,23 @@ class Cache:
             raise ValueError("no caches to concatenate")
         first = caches[0]
         for other in caches[1:]:
-            if other.config.replace(name="") != first.config.replace(name=""):
-                raise ValueError("cannot concatenate caches made for different model configs")
-        per = [c.tensors() for c in caches]
-        for name, t in per[0].items():
-            for other in per[1:]:
-                if other[name].shape[1:] != t.shape[1:]:
-                    raise ValueError(f"{name} is {tuple(other[name].shape[1:])} per row in one cache and "
-                                     f"{tuple(t.shape[1:])} in another (another max_length?)")
+            first._check_rows_fit(other, "concatenate")
         blocks = [type(b)(**{f.name: torch.cat([getattr(c.blocks[i], f.name) for c in caches])
                              for f in dataclasses.fields(b)}) for i, b in enumerate(first.blocks)]
         return Cache(first.config, blocks, torch.cat([c.position for c in caches]),
                      torch.cat([c.segment for c in caches]), max(c.length for c in caches),
                      all(c.started for c in caches))
+
+    def _check_rows_fit(self, other: Cache, verb: str) -> None:
+        """Raise a ValueError unless ``other``'s rows are laid out as this cache's: the same model config and the same
+        tensor shapes per row (a global-attention cache's ``max_length`` included)."""
+        if other.config.replace(name="") != self.config.replace(name=""):
+            raise ValueError(f"cannot {verb} a cache made for a different model config")
+        mine, theirs = self.tensors(), other.tensors()
+        for name, t in mine.items():
+            if theirs[name].shape[1:] != t.shape[1:]:
+                raise ValueError(f"cannot {verb} a cache whose {name} is {tuple(theirs[name].shape[1:])} per row, "
+                                 f"{tuple(t.shape[1:])} here (another max_length?)")
 
     def _rows(self, rows: Sequence[int] | Tensor) -> Tensor:
         index = torch.as_tensor(rows, dtype=torch.long).flatten().cpu()
