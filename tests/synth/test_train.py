@@ -135,3 +135,26 @@ def test_default_window_is_at_most_half_the_sequence():
     assert resolve_options(make_task("selective_copying"))["window"] == 512  # the paper's, at T = 1024
     assert resolve_options(make_task("selective_copying", seq_len=64, num_data=8))["window"] == 32
     assert resolve_options(make_task("selective_copying", seq_len=64, num_data=8), window=48)["window"] == 48
+
+
+def test_stop_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
+    task = TASKS["selective_copying"]
+    opts = dict(QUICK, steps=8, eval_every=2, seed=0)
+    whole = train_task(task, "hawk", tmp_path / "whole", **opts)
+    later = [r for r in whole.history if r["step"] > 0]
+    target = max(r["accuracy"] for r in later)
+    assert target > 0
+    first = next(r["step"] for r in later if r["accuracy"] >= target)
+    stopped = train_task(task, "hawk", tmp_path / "stopped", stop_accuracy=target, **opts)
+    assert stopped.stopped_early == (first < 8) and stopped.steps == first
+    assert stopped.history == [r for r in whole.history if r["step"] <= first]
+    assert load_pretrained(tmp_path / "stopped").config.family == "hawk"
+    # a finished comparison run: `synth compare` does not train it again
+    from griffin.synth.compare import finished_run
+    from griffin.synth.train import resolve_options
+
+    options = resolve_options(task, **{k: v for k, v in opts.items() if k not in ("progress", "tensorboard")},
+                              stop_accuracy=target)
+    assert finished_run(tmp_path / "stopped", task, options) is not None
+    with pytest.raises(ValueError, match="stop_accuracy=1.5 must be a number in"):
+        resolve_options(task, stop_accuracy=1.5)

@@ -120,15 +120,22 @@ _PARALLEL_READY = False
 
 
 def parallel_ready() -> None:
-    """Called by each entry point before it runs a parallel kernel. At the first call, idle OpenMP threads are made to
+    """Called by each entry point before it runs a parallel kernel; the kernel runs on torch's thread count. At the
+    first call, idle OpenMP threads are made to
     sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, unless the program set ``OMP_WAIT_POLICY`` itself):
     numba's OpenMP runtime reads the setting when it starts, at its first parallel kernel, so a program using the
     library gets the griffin command's setting for it without a call of its own. (Spinning idle workers of numba's
     runtime and torch's starve each other's threads.)"""
     global _PARALLEL_READY
+    threads = torch.get_num_threads()
     if not _PARALLEL_READY:
         prefer_passive_openmp_wait()
+        numba.get_num_threads()  # starts numba's OpenMP pool, which sets torch's thread count to all the cores
+        torch.set_num_threads(threads)  # (torch.set_num_threads(1) before griffin's first kernel stays 1)
         _PARALLEL_READY = True
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))  # the kernels run on torch's thread count
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
 
 
 def storage(t: torch.Tensor) -> np.ndarray:

@@ -57,6 +57,10 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                         "--seq-len)")
     g.add_argument("--model", action="append", metavar="KEY=VALUE",
                    help="ModelConfig fields overriding the preset, e.g. width=128 (repeatable)")
+    g.add_argument("--stop-accuracy", type=float, metavar="A",
+                   help="end a run at the first evaluation whose held-out accuracy is at least A (e.g. 0.99)")
+    g.add_argument("--compile", action="store_true",
+                   help="the trainer's compiled step (griffin train --compile; refused where it cannot compile)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -84,7 +88,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     model = dict(parse_model_override(item) for item in args.model or [])
     return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                 weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
-                eval_sequences=args.eval_sequences, window=args.window, model=model)
+                eval_sequences=args.eval_sequences, window=args.window, model=model,
+                stop_accuracy=args.stop_accuracy, compile=args.compile)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

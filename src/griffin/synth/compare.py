@@ -42,7 +42,8 @@ def finished_run(directory: Path, task: Task, options: dict[str, Any]) -> SynthR
         return None
     data = json.loads(path.read_text())
     same = data.get("task") == task.to_dict() and data.get("options") == json.loads(json.dumps(options))
-    return SynthResult(**data) if same and data.get("steps") == options["steps"] else None
+    done = data.get("steps") == options["steps"] or data.get("stopped_early", False)
+    return SynthResult(**data) if same and done else None
 
 
 def _fmt(value: float | int | None, pattern: str = "{:.3f}") -> str:

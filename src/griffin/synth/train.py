@@ -23,7 +23,7 @@ from griffin.synth.evaluate import TASK_FILE
 from griffin.synth.plots import plot_accuracy
 from griffin.synth.source import TaskSource
 from griffin.synth.tasks import Task
-from griffin.training import TrainConfig, Trainer
+from griffin.training import TrainConfig, Trainer, TrainingStopped
 
 RESULT_FILE = "result.json"
 
@@ -54,6 +54,7 @@ class SynthResult:
     wall_s: float
     generate_s: float
     out: str
+    stopped_early: bool = False  # ended at options["stop_accuracy"] before options["steps"]
     options: dict[str, Any] = field(default_factory=dict)  # resolve_options()
     config: dict[str, Any] = field(default_factory=dict)  # the TrainConfig
 
@@ -69,8 +70,11 @@ def steps_to(history: list[dict[str, float]], threshold: float) -> int | None:
 def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | None = None, lr: float | None = None,
                     seed: int = 0, eval_every: int | None = None, eval_sequences: int | None = None,
                     window: int | None = None, warmup_steps: int | None = None, weight_decay: float = 0.1,
-                    model: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None."""
+                    model: dict[str, Any] | None = None, stop_accuracy: float | None = None,
+                    compile: bool = False) -> dict[str, Any]:
+    """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None.
+    ``stop_accuracy``: end the run at the first evaluation whose held-out accuracy reaches it (None: train every
+    step); ``compile``: the trainer's compiled step (``griffin train --compile``)."""
     budget = BUDGETS[task.name]
     opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
                             "eval_sequences": eval_sequences}
@@ -86,7 +90,11 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
         warmup_steps = min(50, opts["steps"] // 10)
     if isinstance(opts["lr"], bool) or not isinstance(opts["lr"], (int, float)) or not opts["lr"] > 0:
         raise ValueError(f"lr={opts['lr']!r} must be a positive number")
-    opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}))
+    if stop_accuracy is not None and (isinstance(stop_accuracy, bool) or not isinstance(stop_accuracy, (int, float))
+                                      or not 0 < stop_accuracy <= 1):
+        raise ValueError(f"stop_accuracy={stop_accuracy!r} must be a number in (0, 1]")
+    opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}),
+                stop_accuracy=stop_accuracy, compile=bool(compile))
     return opts
 
 
@@ -106,21 +114,32 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
         lr=opts["lr"], warmup_steps=opts["warmup_steps"], weight_decay=opts["weight_decay"], eval_interval=eval_every,
         log_interval=min(10, eval_every), ckpt_interval=ckpt_every or max(eval_every, steps // 4), out=str(out),
         resume="auto" if resume else "", seed=opts["seed"], tensorboard=tensorboard, progress=progress, threads=threads,
-        sample_tokens=0, data=f"synthetic:{task.name}",
+        sample_tokens=0, data=f"synthetic:{task.name}", compile=opts["compile"],
     )
     source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"])
     start = time.perf_counter()
     trainer = Trainer(cfg, source=source)
-    run = trainer.run()
+    target = opts["stop_accuracy"]
+
+    def reached() -> bool:  # looked at after every step: only a step just evaluated counts
+        evaluated = trainer.step % eval_every == 0
+        return target is not None and evaluated and trainer.eval_metrics.get("accuracy", 0.0) >= target
+
+    stopped_early = False
+    try:
+        records = trainer.run(reached).history
+    except TrainingStopped:
+        stopped_early = True
+        records = trainer.log.records()
     wall = time.perf_counter() - start
     history = [{"step": r["step"], "accuracy": r["accuracy"], "perfect": r["perfect"], "val_loss": r["val_loss"]}
-               for r in run.history if r["kind"] == "eval" and "accuracy" in r]
+               for r in records if r["kind"] == "eval" and "accuracy" in r]
     final = history[-1] if history else {"accuracy": math.nan, "perfect": math.nan}
     result = SynthResult(
-        task=task.to_dict(), family=family, parameters=trainer.model.num_parameters(), steps=run.step,
+        task=task.to_dict(), family=family, parameters=trainer.model.num_parameters(), steps=trainer.step,
         history=history, accuracy=final["accuracy"], perfect=final["perfect"], steps_to_90=steps_to(history, 0.9),
         steps_to_99=steps_to(history, 0.99), wall_s=wall, generate_s=source.generate_seconds, out=str(out),
-        options=opts, config=cfg.to_dict(),
+        stopped_early=stopped_early, options=opts, config=cfg.to_dict(),
     )
     save_pretrained(trainer.model, out)
     write_json(out / TASK_FILE, task.to_dict())

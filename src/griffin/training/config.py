@@ -96,7 +96,11 @@ class TrainConfig:
     device: str = _opt("auto", "'auto' (CUDA if available), 'cpu', 'cuda', 'cuda:1', ...")
     precision: str = _opt("auto", "'auto' (bf16 autocast where supported on CUDA, else fp32), 'fp32' or 'bf16'",
                           choices=("auto", "fp32", "bf16"))
-    compile: bool = _opt(False, "torch.compile the model")
+    compile: bool = _opt(False, "the fast step: torch.compile the model and update with the fused AdamW "
+                                "(griffin.training.fast); refused where it cannot run, see compile_fallback")
+    compile_fallback: bool = _opt(False, "where --compile cannot run (the compiler fails on the model, bf16 on a CPU "
+                                         "without a bf16 matmul), train the uncompiled step (in fp32 for the "
+                                         "latter) with a warning instead of refusing")
     loss_chunk: int = _opt(0, "rows of logits at a time in the loss (0: all at once); e.g. 4096 for a large "
                               "vocabulary, whose (tokens, vocab) logits would not fit")
     threads: int = _opt(0, "CPU threads for torch (0: torch's default)")

@@ -55,6 +55,7 @@ from griffin.training.checkpoint import (
 )
 from griffin.training.config import RUN_KEYS, TrainConfig, same_setting
 from griffin.training.distributed import init_distributed
+from griffin.training.fast import CompiledStep, resolve_autocast
 from griffin.training.layout import Layout, even_share, load_any, translate_loader_state, wants_layout
 from griffin.training.source import BatchSource
 
@@ -187,7 +188,9 @@ def build_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
         if param.requires_grad:
             (plain if no_weight_decay(name, param) else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    fused = {"fused": True} if next(model.parameters()).device.type == "cuda" else {}
+    # the fused kernel: always on CUDA; on CPU with the fast step (--compile), the uncompiled step being the reference
+    device = next(model.parameters()).device.type
+    fused = {"fused": True} if device == "cuda" or (device == "cpu" and cfg.compile) else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused)
 
 
@@ -367,6 +370,8 @@ class Trainer:
             ParallelDims.resolve(self.dist.world_size, cfg.tp, cfg.dp_shard, cfg.dp_replicate, cfg.cp)
         self.device = resolve_device(device)
         self.autocast = resolve_precision(cfg.precision, self.device)
+        if cfg.compile and not wants_layout(cfg):  # (a layout compiles its blocks itself)
+            self.autocast = resolve_autocast(self.autocast, self.device, cfg.compile_fallback)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
 
@@ -440,7 +445,7 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids)
         wrapped = self.ddp or self.model
-        self.forward = torch.compile(wrapped) if cfg.compile and self.layout is None else wrapped
+        self.forward = CompiledStep(wrapped, cfg.compile_fallback) if cfg.compile and self.layout is None else wrapped
         self.flops_per_token = training_flops_per_token(self.model_config, cfg.seq_len)
         if cfg.lora_rank:  # the frozen weights get no gradient: about 4 of the 6 FLOPs per weight and token
             self.flops_per_token = self.flops_per_token * 2 / 3
@@ -571,6 +576,17 @@ class Trainer:
         with self._autocast():
             loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk)
         return loss, (targets != IGNORE_INDEX).sum()
+
+    def _check_compiles(self) -> None:
+        """Compile the step's forward and backward once on a zero batch of the training shape, before any update: a
+        model the compiler fails on is refused here (or, with compile_fallback, trained uncompiled)."""
+        shape = (self.cfg.batch_size, self.cfg.seq_len // self.dist.cp)
+        ids = torch.zeros(shape, dtype=torch.long, device=self.device)
+        positions = torch.arange(shape[1], device=self.device).repeat(shape[0], 1)  # strided as a batch is
+        with self._autocast():
+            self.forward.check(ids, positions, targets=ids.clone(), loss_chunk=self.cfg.loss_chunk)
+        if not self.forward.compiled:
+            self._print("warning: --compile failed on this model; training uncompiled (--compile-fallback)")
 
     def train_step(self) -> dict[str, float]:
         """One optimizer update over ``grad_accum`` micro-batches; the loss is the mean over all their targets."""
@@ -773,6 +789,8 @@ class Trainer:
         try:
             if self.step < cfg.max_steps and (reason := self._stop_reason(stop, asked)):  # before the first step
                 raise self._stopped(reason, self.resumed_from)
+            if isinstance(self.forward, CompiledStep) and self.step < cfg.max_steps:
+                self._check_compiles()
             if self.step == 0:  # the starting point of the validation curve
                 val_loss = self.evaluate()
                 self._record("eval", val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50.0)), **self.eval_metrics,

@@ -1,0 +1,177 @@
+"""Small-model training on the CPU: tokens/s and MFU of the reference step and the fast step (``--compile``), side by
+side in one run (Section 6.2's models; the README's main job).
+
+Each case builds two :class:`griffin.training.Trainer` of the same configuration, one with ``compile=False`` (the
+reference: eager model, AdamW over per-tensor operators) and one with ``compile=True`` (griffin.training.fast:
+``torch.compile`` of the model, fused AdamW), compiles the fast one, then times their ``train_step`` (batch,
+forward, loss, backward, clipping, update: the trainer's own step) in alternating rounds, so that a change of load
+on a shared host falls on both. Reported per case: tokens/s of each (the median round), the ratio, and the MFU
+against the trainer's peak (:func:`griffin.flops.peak_flops`: the ISA peak for torch's threads).
+
+Cases: the ``{mqa,hawk,griffin}-synthetic`` presets (5 blocks, width 64, vocabulary 16) on induction heads at
+T = 256 with batches of 16 and 64, and on selective copying at T = 1024 with batches of 16; the main job's model
+(``griffin-cpu``, T = 256, batch 16) on the embedded corpus. ``--main-job`` also trains the README's main job to
+the end both ways (``griffin train`` and ``griffin train --compile``): wall time, compilation included, and the
+final validation loss of each.
+
+    python benchmarks/train_small.py                      # every case, about 10 minutes on 2 cores
+    python benchmarks/train_small.py --main-job           # and the main job both ways (about 7 minutes more)
+    python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
+
+Writes JSON (``--out``, default benchmarks/results/train_small.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from griffin.synth import InductionHeads, SelectiveCopying, TaskSource
+from griffin.training import TrainConfig, Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, progress, table, write_json  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    preset: str
+    seq_len: int
+    batch_size: int
+    task: str | None  # a synthetic task, or None: the embedded corpus (the main job's data)
+
+
+def cases() -> dict[str, Case]:
+    out = {}
+    for family in ("mqa", "hawk", "griffin"):
+        for seq_len, batch, task in ((256, 16, "induction_heads"), (256, 64, "induction_heads"),
+                                     (1024, 16, "selective_copying")):
+            name = f"{family}-{seq_len}x{batch}"
+            out[name] = Case(name, f"{family}-synthetic", seq_len, batch, task)
+    out["main-job"] = Case("main-job", "griffin-cpu", 256, 16, None)
+    return out
+
+
+def make_task(case: Case):
+    if case.task == "induction_heads":
+        return InductionHeads(seq_len=case.seq_len)
+    return SelectiveCopying(seq_len=case.seq_len, num_data=16)
+
+
+def trainer(case: Case, out: Path, data: Path | None, fast: bool, threads: int) -> Trainer:
+    common = dict(seq_len=case.seq_len, batch_size=case.batch_size, max_steps=10**6, out=str(out), progress=False,
+                  tensorboard=False, sample_tokens=0, threads=threads, compile=fast, eval_interval=10**6)
+    if case.task is None:
+        return Trainer(TrainConfig(preset=case.preset, data=str(data), **common))
+    task = make_task(case)
+    cfg = TrainConfig(preset=case.preset, data=f"synthetic:{task.name}",
+                      model={"vocab_size": task.vocab_size, "attention_window": task.window}, **common)
+    return Trainer(cfg, source=TaskSource(task, case.batch_size, seed=0, eval_sequences=8))
+
+
+def rate(t: Trainer, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        t.train_step()
+    return steps * t.cfg.batch_size * t.cfg.seq_len / (time.perf_counter() - start)
+
+
+def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    ref = trainer(case, root / f"{case.name}-ref", data, False, args.threads)
+    fast = trainer(case, root / f"{case.name}-fast", data, True, args.threads)
+    start = time.perf_counter()
+    fast._check_compiles()
+    compile_s = time.perf_counter() - start
+    for t in (ref, fast):
+        rate(t, args.warmup)
+    rates: dict[str, list[float]] = {"reference": [], "fast": []}
+    for _ in range(args.rounds):
+        rates["reference"].append(rate(ref, args.steps))
+        rates["fast"].append(rate(fast, args.steps))
+    row: dict[str, Any] = {"case": case.name, "preset": case.preset, "seq_len": case.seq_len,
+                           "batch_size": case.batch_size, "task": case.task or "embedded corpus",
+                           "parameters": ref.model.num_parameters(), "flops_per_token": ref.flops_per_token,
+                           "peak_flops": ref.peak_flops, "peak_source": ref.peak_source, "compile_s": compile_s,
+                           "rounds": rates}
+    for key, values in rates.items():
+        row[f"{key}_tokens_per_s"] = statistics.median(values)
+        row[f"{key}_mfu"] = row[f"{key}_tokens_per_s"] * ref.flops_per_token / ref.peak_flops
+    row["speedup"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
+    return row
+
+
+def main_job(root: Path, data: Path, threads: int) -> dict[str, Any]:
+    """The README's main job (``griffin train``'s defaults on the embedded corpus) trained to the end both ways."""
+    result = {}
+    for name, fast in (("reference", False), ("fast", True)):
+        cfg = TrainConfig(data=str(data), out=str(root / f"main-{name}"), progress=False, tensorboard=False,
+                          threads=threads, compile=fast)
+        start = time.perf_counter()
+        run = Trainer(cfg).run()
+        result[name] = {"wall_s": time.perf_counter() - start, "val_loss": run.val_loss, "steps": run.step,
+                        "tokens_per_s": run.tokens_per_s}
+    result["speedup"] = result["reference"]["wall_s"] / result["fast"]["wall_s"]
+    result["val_loss_difference"] = result["fast"]["val_loss"] - result["reference"]["val_loss"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    known = cases()
+    p.add_argument("--cases", nargs="+", choices=sorted(known), default=list(known), metavar="CASE",
+                   help=f"cases to measure ({', '.join(known)})")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of reference and fast steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
+    p.add_argument("--main-job", action="store_true", help="also train the README's main job to the end both ways")
+    p.add_argument("--out", default="benchmarks/results/train_small.json", help="JSON result")
+    args = p.parse_args(argv)
+    for name in ("steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be at least 1")
+
+    rows, job = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = None
+        if "main-job" in args.cases or args.main_job:  # the embedded corpus, prepared once for every trainer
+            from griffin.training.trainer import prepare_data
+
+            data = prepare_data(TrainConfig(out=str(root / "prepare"), progress=False), root / "prepare")
+        bar = progress(len(args.cases), "cases")
+        for name in args.cases:
+            rows.append(measure(known[name], root, data, args))
+            bar.update(1)
+        bar.close()
+        if args.main_job:
+            job = main_job(root, data, args.threads)
+
+    print(table(rows, [("case", "case", "s"), ("parameters", "parameters", ",d"),
+                       ("reference tok/s", "reference_tokens_per_s", ",.0f"),
+                       ("fast tok/s", "fast_tokens_per_s", ",.0f"),
+                       ("fast / reference", "speedup", ".2f"), ("reference MFU", "reference_mfu", ".1%"),
+                       ("fast MFU", "fast_mfu", ".1%"), ("compile s", "compile_s", ".0f")]))
+    if rows:
+        print(f"MFU against {rows[0]['peak_flops'] / 1e9:,.0f} GFLOP/s ({rows[0]['peak_source']})")
+    if job is not None:
+        ref = job["reference"]
+        print(f"main job (griffin train, {ref['steps']} steps): reference {ref['wall_s']:.0f} s to val loss"
+              f" {ref['val_loss']:.4f}, fast {job['fast']['wall_s']:.0f} s to "
+              f"{job['fast']['val_loss']:.4f}: {job['speedup']:.2f}x")
+    write_json(args.out, {"machine": machine_info(torch.device("cpu")), "args": vars(args), "cases": rows,
+                            "main_job": job})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
