@@ -86,6 +86,7 @@ def rate(t: Trainer, steps: int) -> float:
 
 
 def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    torch._dynamo.reset()  # each case compiles a new model: no cache limit reached (past it dynamo runs eagerly)
     ref = trainer(case, root / f"{case.name}-ref", data, False, args.threads)
     fast = trainer(case, root / f"{case.name}-fast", data, True, args.threads)
     start = time.perf_counter()
@@ -113,6 +114,7 @@ def main_job(root: Path, data: Path, threads: int) -> dict[str, Any]:
     """The README's main job (``griffin train``'s defaults on the embedded corpus) trained to the end both ways."""
     result = {}
     for name, fast in (("reference", False), ("fast", True)):
+        torch._dynamo.reset()
         cfg = TrainConfig(data=str(data), out=str(root / f"main-{name}"), progress=False, tensorboard=False,
                           threads=threads, compile=fast)
         start = time.perf_counter()
