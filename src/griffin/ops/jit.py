@@ -120,9 +120,9 @@ _PARALLEL_READY = False
 
 
 def parallel_ready() -> None:
-    """Called by each entry point before it runs a parallel kernel; the kernel runs on torch's thread count. At the
-    first call, idle OpenMP threads are made to
-    sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, unless the program set ``OMP_WAIT_POLICY`` itself):
+    """Called by each entry point before it runs a parallel kernel, which then runs on torch's thread count. At the
+    first call, idle OpenMP threads are made to sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, unless the
+    program set ``OMP_WAIT_POLICY`` itself):
     numba's OpenMP runtime reads the setting when it starts, at its first parallel kernel, so a program using the
     library gets the griffin command's setting for it without a call of its own. (Spinning idle workers of numba's
     runtime and torch's starve each other's threads.)"""

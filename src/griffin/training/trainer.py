@@ -188,9 +188,11 @@ def build_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
         if param.requires_grad:
             (plain if no_weight_decay(name, param) else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    # the fused kernel: always on CUDA; on CPU with the fast step (--compile), the uncompiled step being the reference
+    # the fused kernel: always on CUDA; on CPU in the fast step of one process (--compile without a layout), the
+    # uncompiled step being the reference
     device = next(model.parameters()).device.type
-    fused = {"fused": True} if device == "cuda" or (device == "cpu" and cfg.compile) else {}
+    fast_cpu = device == "cpu" and cfg.compile and not wants_layout(cfg)
+    fused = {"fused": True} if device == "cuda" or fast_cpu else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused)
 
 
