@@ -9,7 +9,15 @@ import torch
 
 from griffin import CausalLM, ModelConfig
 from griffin.synth import MQAR, InductionHeads, SelectiveCopying, evaluate_lengths
-from griffin.synth.evaluate import Tally, answer_logits, answer_logits_ref, chunk_length, default_lengths, score
+from griffin.synth.evaluate import (
+    Tally,
+    answer_logits,
+    answer_logits_ref,
+    chunk_length,
+    default_lengths,
+    distance_edges,
+    score,
+)
 from tests.conftest import seed_torch
 
 FAMILIES = ("mqa", "hawk", "griffin")
@@ -59,6 +67,38 @@ def test_tally_counts_answers_and_perfect_sequences():
     assert m["accuracy"] == pytest.approx(4 / 5) and m["perfect"] == pytest.approx(2 / 3)
     want = torch.nn.functional.cross_entropy(logits, torch.tensor([2, 1, 0, 1, 1]))
     assert m["val_loss"] == pytest.approx(float(want), rel=1e-6)
+
+
+def test_tally_by_distance_splits_the_answers_into_bins():
+    targets = torch.full((2, 9), -100)
+    targets[0, [4, 8]] = torch.tensor([1, 2])
+    targets[1, 8] = 0
+    logits = torch.zeros(3, 3)
+    logits[torch.arange(3), torch.tensor([1, 0, 0])] = 5.0  # the second answer wrong
+    edges = distance_edges(9, 2)
+    assert edges.tolist() == [1, 5, 9]
+    tally = Tally(edges)
+    tally.add(logits, targets, np.array([3, 8, 5]))
+    bins = tally.by_distance()
+    assert [(b["from"], b["to"], b["answers"]) for b in bins] == [(1, 5, 1), (5, 9, 2)]
+    assert bins[0]["accuracy"] == 1.0 and bins[1]["accuracy"] == 0.5
+    with pytest.raises(ValueError, match="one distance per target"):
+        tally.add(logits, targets)
+    with pytest.raises(ValueError, match=r"distance bins=9 must be an integer in \[1, 8\]"):
+        distance_edges(9, 9)
+
+
+@pytest.mark.parametrize("task", [SelectiveCopying(seq_len=40, num_data=4), InductionHeads(seq_len=33)])
+def test_accuracy_by_distance_adds_up_to_the_accuracy(task, gen):
+    model = tiny_model("hawk", gen, task.vocab_size)
+    (r,) = evaluate_lengths(model, task, [64], sequences=24, batch_size=8, chunk_size=16, progress=False,
+                            distance_bins=3)
+    bins = r["by_distance"]
+    assert [b["from"] for b in bins] == [1, 22, 43] and bins[-1]["to"] == 64
+    answers = 24 * task.targets_per_sequence
+    assert sum(b["answers"] for b in bins) == answers
+    correct = sum(b["accuracy"] * b["answers"] for b in bins if b["answers"])
+    assert correct == pytest.approx(r["accuracy"] * answers)
 
 
 def test_hawk_evaluates_far_beyond_training_in_bounded_memory(gen):

@@ -172,3 +172,27 @@ def test_bad_tasks_on_the_command_line(tmp_path, capsys):
     assert main(["synth", "induction_heads", "--out", str(tmp_path), "--family", "hawk", "--max-steps", "0"]) == 2
     assert "steps=0 must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists(), "nothing ran"
+
+
+@pytest.mark.parametrize("task", [SelectiveCopying(seq_len=40, num_data=5), InductionHeads(seq_len=30),
+                                  MQAR(seq_len=64, vocab_size=40, num_pairs=6)])
+def test_sources_point_at_the_token_each_target_copies(task, gen):
+    ids, targets = task.generate(9, rng_from(gen))
+    rows, cols = (targets != IGNORE).nonzero()
+    src = task.sources(ids, targets)
+    assert src.shape == rows.shape and (src < cols).all() and (src >= 0).all()
+    np.testing.assert_array_equal(ids[rows, src], targets[rows, cols])
+    if isinstance(task, InductionHeads):  # right after the first trigger
+        assert (ids[rows, src - 1] == InductionHeads.TRIGGER).all()
+    if isinstance(task, MQAR):  # a value right after its key, the key the query asks for
+        np.testing.assert_array_equal(ids[rows, src - 1], ids[rows, cols])
+    if isinstance(task, SelectiveCopying):  # the k-th data token for the k-th marker
+        assert (np.diff(src.reshape(9, -1), axis=1) > 0).all()
+
+
+def test_sources_refuse_sequences_of_another_task(gen):
+    task = InductionHeads(seq_len=30)
+    ids, targets = task.generate(3, rng_from(gen))
+    ids[1, :-1] = 5
+    with pytest.raises(ValueError, match="no trigger before the last position"):
+        task.sources(ids, targets)

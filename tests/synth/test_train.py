@@ -158,3 +158,100 @@ def test_stop_accuracy_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_
     assert finished_run(tmp_path / "stopped", task, options) is not None
     with pytest.raises(ValueError, match="stop_accuracy=1.5 must be a number in"):
         resolve_options(task, stop_accuracy=1.5)
+
+
+def test_a_run_started_from_another_begins_at_its_weights(tmp_path, gen):
+    """A length curriculum: the run at T = 20 (window 8) starts from the model trained at T = 12 (window 4)."""
+    from griffin.synth.evaluate import held_out, score
+
+    seed = seed_of(gen)
+    short = tmp_path / "short"
+    train_task(InductionHeads(seq_len=12), "griffin", short, **dict(QUICK, window=4, seed=seed))
+    longer = tmp_path / "long"
+    result = train_task(TASKS["induction_heads"], "griffin", longer, init=str(short), **dict(QUICK, seed=seed))
+    assert result.options["init"] == str(short)
+    start, _ = load_run(short)
+    assert start.config.attention_window == 4
+    widened = type(start)(start.config.replace(attention_window=8))
+    widened.load_state_dict(start.state_dict())
+    want = score(widened, held_out(TASKS["induction_heads"], 4, 32))
+    assert result.history[0]["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    trained = load_pretrained(longer)
+    assert trained.config.attention_window == 8 and trained.config == widened.config
+    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), start.state_dict().values(),
+                                                         strict=True))
+
+
+def test_a_run_refuses_to_start_from_another_task_or_family(tmp_path, capsys):
+    run = tmp_path / "hawk"
+    train_task(TASKS["induction_heads"], "hawk", run, **QUICK)
+    with pytest.raises(ValueError, match="holds a hawk model, this run trains griffin"):
+        train_task(TASKS["induction_heads"], "griffin", tmp_path / "a", init=str(run), **QUICK)
+    with pytest.raises(ValueError, match="was trained on InductionHeads.*this run is SelectiveCopying"):
+        train_task(TASKS["selective_copying"], "hawk", tmp_path / "b", init=str(run), **QUICK)
+    with pytest.raises(ValueError, match=r"model overrides \['width'\] with init="):
+        train_task(TASKS["induction_heads"], "hawk", tmp_path / "c", init=str(run), model={"width": 32}, **QUICK)
+    with pytest.raises(ValueError, match="not a `griffin synth` run directory"):
+        train_task(TASKS["induction_heads"], "hawk", tmp_path / "d", init=str(tmp_path), **QUICK)
+    args = ["synth", "induction-heads", "--family", "hawk", "--out", str(tmp_path / "e"), "--seq-len", "16",
+            "--init", str(run), "--max-steps", "1", "--eval-interval", "1", "--eval-sequences", "2", "--batch-size",
+            "2", "--no-progress", "--no-tensorboard"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "e" / "result.json").read_text())["options"]["init"] == str(run)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_fine_tune_may_change_only_weight_free_fields():
+    with pytest.raises(ValueError, match=r"--model width: a fine-tune \(--init\) keeps"):
+        TrainConfig(init="some/checkpoint", model={"width": 32, "attention_window": 8})
+    assert TrainConfig(init="some/checkpoint", model={"attention_window": 8}).model == {"attention_window": 8}
+
+
+def test_compare_from_an_earlier_comparison(tmp_path, capsys):
+    quick = ["--max-steps", "2", "--batch-size", "2", "--eval-interval", "1", "--eval-sequences", "4", "--no-progress",
+             "--no-tensorboard"]
+    short, longer = tmp_path / "short", tmp_path / "long"
+    assert main(["synth", "compare", "induction-heads", "--out", str(short), "--families", "hawk", "griffin",
+                 "--seq-len", "12", "--window", "4", *quick]) == 0
+    assert main(["synth", "compare", "induction-heads", "--out", str(tmp_path / "x"), "--families", "mqa",
+                 "--init", str(short), "--seq-len", "20", *quick]) == 2
+    assert "not a `griffin synth` run directory" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "mqa").exists()
+    assert main(["synth", "compare", "induction-heads", "--out", str(longer), "--families", "hawk", "griffin",
+                 "--init", str(short), "--seq-len", "20", "--window", "8", *quick]) == 0
+    summary = json.loads((longer / "compare.json").read_text())
+    assert summary["options"]["init"] == str(short)
+    for row in summary["runs"]:
+        assert row["options"]["init"] == str(short / row["family"])
+    assert load_pretrained(longer / "griffin").config.attention_window == 8
+
+
+def test_sigterm_stops_a_run_with_its_checkpoint_and_resume_finishes_it(tmp_path, capsys):
+    import signal
+    import sys
+
+    from tests.training.signals import signal_once_ready
+
+    run = tmp_path / "run"
+    args = ["synth", "induction-heads", "--family", "hawk", "--out", str(run), "--seq-len", "16", "--batch-size", "2",
+            "--warmup-steps", "2", "--eval-interval", "1000", "--eval-sequences", "4", "--threads", "1",
+            "--no-progress", "--no-tensorboard"]
+
+    def trained() -> list[int]:
+        log = run / "log.jsonl"
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [r["step"] for r in map(json.loads, (x for x in lines if x.endswith("}"))) if r["kind"] == "train"]
+
+    command = [sys.executable, "-m", "griffin.cli", *args, "--max-steps", "100000"]
+    code, _, stderr = signal_once_ready(command, lambda: bool(trained()), signal.SIGTERM, poll=0.02)
+    assert code == 143, stderr
+    (stop,) = [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r["kind"] == "stop"]
+    step = stop["step"]
+    ckpt = run / "checkpoints" / f"step_{step:08d}"
+    assert stop["reason"] == "SIGTERM" and Path(stop["checkpoint"]) == ckpt and ckpt.is_dir()
+    assert stderr.strip().splitlines()[-1] == (f"griffin synth: training stopped by SIGTERM after step {step}; "
+                                               f"checkpoint: {ckpt}; continue with the same command and --resume")
+    assert not (run / "result.json").exists() and not (run / "model.safetensors").exists()
+    assert main([*args, "--max-steps", str(step + 3), "--resume"]) == 0
+    assert f"after {step + 3} steps" in capsys.readouterr().out
+    assert json.loads((run / "result.json").read_text())["steps"] == step + 3

@@ -4,6 +4,8 @@ TASK`` (Section 6.2). :func:`add_synth_parser` adds it to the ``griffin`` parser
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +91,27 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                 weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                 eval_sequences=args.eval_sequences, window=args.window, model=model,
-                stop_accuracy=args.stop_accuracy, compile=args.compile)
+                stop_accuracy=args.stop_accuracy, compile=args.compile, init=getattr(args, "init", None))
+
+
+def _stopped(stopped: Exception, hint: str) -> int:
+    """What ``griffin synth`` says and returns when SIGTERM stopped it (after the checkpoint of its step)."""
+    print(f"griffin synth: {stopped}; {hint}", file=sys.stderr)
+    return 128 + signal.SIGTERM
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from griffin.synth.train import train_task
+    from griffin.training import StopRequest, TrainingStopped
 
     task = _task(args, args.task)
-    result = train_task(task, args.family, args.out, resume=args.resume, progress=args.progress,
-                        tensorboard=args.tensorboard, threads=args.threads, **_train_kwargs(args))
+    # SIGTERM (a scheduler's notice): stop at the next step with its checkpoint written; --resume continues it
+    with StopRequest.on_signal(signal.SIGTERM) as stop:
+        try:
+            result = train_task(task, args.family, args.out, resume=args.resume, progress=args.progress,
+                                tensorboard=args.tensorboard, threads=args.threads, stop=stop, **_train_kwargs(args))
+        except TrainingStopped as stopped:
+            return _stopped(stopped, "continue with the same command and --resume")
     print(f"\n{args.family} on {task}: held-out accuracy {result.accuracy:.4f} "
           f"(perfect sequences {result.perfect:.4f}) after {result.steps} steps; 90% at step {result.steps_to_90}, "
           f"99% at step {result.steps_to_99}; {result.wall_s:.0f} s")
@@ -112,12 +126,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     model, task = load_run(args.dir)
     results = evaluate_lengths(model, task, args.lengths, sequences=args.sequences, batch_size=args.eval_batch,
-                               chunk_size=args.chunk_size, progress=args.progress)
+                               chunk_size=args.chunk_size, progress=args.progress, distance_bins=args.distance_bins)
     print(f"{model.config.family} on {task} (trained at {task.seq_len}):")
     print("| length | accuracy | perfect sequences | loss | seconds |\n|---|---|---|---|---|")
     for r in results:
         print(f"| {r['length']:,} | {r['accuracy']:.4f} | {r['perfect']:.4f} | {r['val_loss']:.4f} | "
               f"{r['seconds']:.1f} |")
+    if args.distance_bins:
+        print("\naccuracy by recall distance (answers in the bin):\n| length | distance | answers | accuracy |\n"
+              "|---|---|---|---|")
+        for r in results:
+            for b in r["by_distance"]:
+                print(f"| {r['length']:,} | {b['from']:,}–{b['to'] - 1:,} | {b['answers']} | {b['accuracy']:.4f} |")
     out = Path(args.out or args.dir) / "lengths.json"
     write_json(out, {"task": task.to_dict(), "family": model.config.family, "lengths": results})
     print(f"wrote {out}")
@@ -126,6 +146,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from griffin.synth.compare import compare
+    from griffin.training import StopRequest, TrainingStopped
 
     task = _task(args, args.task)
     lengths = args.lengths
@@ -133,10 +154,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from griffin.synth.evaluate import default_lengths
 
         lengths = default_lengths(task)
-    summary = compare(task, args.out, args.families, lengths=lengths or (),
-                      attention_max_length=args.attention_max_length, eval_length_sequences=args.sequences,
-                      eval_batch_size=args.eval_batch, chunk_size=args.chunk_size, progress=args.progress,
-                      tensorboard=args.tensorboard, threads=args.threads, **_train_kwargs(args))
+    with StopRequest.on_signal(signal.SIGTERM) as stop:
+        try:
+            summary = compare(task, args.out, args.families, lengths=lengths or (),
+                              attention_max_length=args.attention_max_length, eval_length_sequences=args.sequences,
+                              eval_batch_size=args.eval_batch, chunk_size=args.chunk_size, progress=args.progress,
+                              tensorboard=args.tensorboard, threads=args.threads, stop=stop, **_train_kwargs(args))
+        except TrainingStopped as stopped:
+            return _stopped(stopped, "run the same command again to go on")
     print((Path(args.out) / "table.md").read_text())
     print(f"wrote {args.out}/accuracy.png" + (f", {args.out}/lengths.png" if summary["lengths"] else "")
           + ", compare.json, table.md")
@@ -154,6 +179,9 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
         t.add_argument("--family", choices=FAMILIES, default="griffin", help="model family")
         t.add_argument("--out", required=True, help="run directory: checkpoints, logs, the final model, task.json")
         t.add_argument("--resume", action="store_true", help="continue the run in OUT from its newest checkpoint")
+        t.add_argument("--init", metavar="DIR",
+                       help="start from the final model of another run of this task and family (e.g. trained at a "
+                            "shorter --seq-len: a length curriculum) instead of a new model")
         _task_options(t, name)
         _train_options(t)
         t.set_defaults(func=cmd_train, task=name)
@@ -161,6 +189,9 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     e = actions.add_parser("eval", help="accuracy of a trained run at other sequence lengths")
     e.add_argument("dir", help="a `griffin synth` run directory (model + task.json)")
     _length_options(e, required=True)
+    e.add_argument("--distance-bins", type=int, default=0, metavar="K",
+                   help="also split each length's accuracy by how far back the answer lies: K equal bins of "
+                        "1 .. length - 1 (e.g. 4 at T = 256 puts Griffin's window of 128 at a bin edge)")
     e.add_argument("--out", help="directory of lengths.json (default: DIR)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     e.set_defaults(func=cmd_eval)
@@ -170,6 +201,9 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("task", type=lambda name: name.replace("-", "_"), choices=sorted(TASKS), help="the task")
     c.add_argument("--out", required=True, help="output directory (one run directory per family, plots, table)")
     c.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to compare")
+    c.add_argument("--init", metavar="DIR",
+                   help="start each family from DIR/FAMILY, the run of an earlier `synth compare` of this task (e.g. "
+                        "at a shorter --seq-len: a length curriculum), instead of a new model")
     _task_options(c)
     _train_options(c)
     _length_options(c, required=False)  # induction heads: 256, 512, ..., 65536 unless given

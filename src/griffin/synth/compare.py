@@ -5,6 +5,9 @@ Writes, under ``OUT``: one run directory per family (``OUT/mqa``, ``OUT/hawk``, 
 (accuracy against evaluation length on a log axis: Figure 6b) when lengths are evaluated, ``compare.json`` (every
 number) and ``table.md`` (steps to 90% and 99%, final accuracy, accuracy at the longest length, wall time).
 
+With ``init`` (an earlier comparison of the same task, e.g. at a shorter length: a length curriculum), each family
+starts from its model there, ``init/FAMILY``, instead of a new one.
+
 A family whose run directory already holds a finished run with the same settings is not trained again, and one
 that was interrupted resumes from its last checkpoint (lengths already evaluated for that very model are not
 evaluated again), so the comparison can be re-run to finish.
@@ -30,7 +33,8 @@ from griffin.io import atomic_write, write_json
 from griffin.synth.evaluate import evaluate_lengths
 from griffin.synth.plots import plot_accuracy, plot_lengths
 from griffin.synth.tasks import Task
-from griffin.synth.train import RESULT_FILE, SynthResult, resolve_options, train_task
+from griffin.synth.train import RESULT_FILE, SynthResult, check_init, resolve_options, train_task
+from griffin.training import StopRequest
 
 LENGTHS_FILE = "lengths.json"
 
@@ -74,16 +78,23 @@ def table(rows: list[dict[str, Any]]) -> str:
 def compare(task: Task, out: str | Path, families: Sequence[str] = FAMILIES, *, lengths: Sequence[int] = (),
             attention_max_length: int = 8192, eval_length_sequences: int = 32, eval_batch_size: int = 8,
             chunk_size: int = 1024, progress: bool = True, tensorboard: bool = True, threads: int = 0,
-            **train_options: Any) -> dict[str, Any]:
+            stop: StopRequest | None = None, **train_options: Any) -> dict[str, Any]:
     """Train each family on ``task`` with the same ``train_options`` (budget, learning rate, seed) into
     ``out/FAMILY``, evaluate at ``lengths`` (global attention only up to ``attention_max_length``: its cost grows
-    with the square of the length), and write the plots, ``compare.json`` and ``table.md``."""
+    with the square of the length), and write the plots, ``compare.json`` and ``table.md``. ``stop``: see
+    :func:`~griffin.synth.train.train_task` (the same call again resumes the comparison)."""
     for family in families:
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; choose among {', '.join(FAMILIES)}")
     if not families:
         raise ValueError("give at least one family")
-    options = resolve_options(task, **train_options)  # every setting checked before any training
+    init = train_options.pop("init", None)  # an earlier comparison: each family starts from its own run there
+    family_options = {family: dict(train_options, init=None if init is None else str(Path(init) / family))
+                      for family in families}
+    options = {family: resolve_options(task, **family_options[family]) for family in families}  # all checked first
+    if init is not None:
+        for family in families:
+            check_init(options[family]["init"], task, family)
     lengths = [int(n) for n in lengths]
     for n in lengths:  # checked before any training
         task.with_length(n)
@@ -92,11 +103,11 @@ def compare(task: Task, out: str | Path, families: Sequence[str] = FAMILIES, *, 
     rows = []
     for family in families:
         directory = out / family
-        result = finished_run(directory, task, options)
+        result = finished_run(directory, task, options[family])
         if result is None:
             resume = (directory / "checkpoints").is_dir()
             result = train_task(task, family, directory, resume=resume, progress=progress, tensorboard=tensorboard,
-                                threads=threads, **train_options)
+                                threads=threads, stop=stop, **family_options[family])
         row = result.to_dict()
         row["lengths"] = []
         family_lengths = [n for n in lengths if "attention" not in _block_types(directory) or n <= attention_max_length]
@@ -120,7 +131,7 @@ def compare(task: Task, out: str | Path, families: Sequence[str] = FAMILIES, *, 
     if lengths:
         plot_lengths({r["family"]: [(m["length"], m["accuracy"]) for m in r["lengths"]] for r in rows},
                      out / "lengths.png", f"{task.name}: trained at T={task.seq_len}", task.seq_len)
-    summary = {"task": task.to_dict(), "families": list(families), "options": options,
+    summary = {"task": task.to_dict(), "families": list(families), "options": {**options[families[0]], "init": init},
                "lengths": lengths, "attention_max_length": attention_max_length,
                "eval_length_sequences": eval_length_sequences,
                "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),

@@ -86,17 +86,35 @@ def answer_logits(model: CausalLM, input_ids: Tensor, targets: Tensor, chunk_siz
     return torch.cat(logits)[order]
 
 
+def distance_edges(seq_len: int, bins: int) -> np.ndarray:
+    """``bins`` + 1 edges splitting the recall distances 1 .. seq_len - 1 into equal bins (the last one closed)."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins < seq_len:
+        raise ValueError(f"distance bins={bins!r} must be an integer in [1, {seq_len - 1}] at length {seq_len}")
+    return np.linspace(1, seq_len, bins + 1).round().astype(np.int64)
+
+
 class Tally:
-    """Sums of loss, correct answers and perfect sequences over batches."""
+    """Sums of loss, correct answers and perfect sequences over batches; with ``edges``, the correct answers by
+    recall distance (a target's position minus its source's, :meth:`Task.sources`) too."""
 
-    def __init__(self) -> None:
+    def __init__(self, edges: np.ndarray | None = None) -> None:
         self.loss = self.correct = self.answers = self.perfect = self.sequences = 0.0
+        self.edges = edges
+        bins = 0 if edges is None else len(edges) - 1
+        self.bin_correct, self.bin_answers = np.zeros(bins), np.zeros(bins)
 
-    def add(self, logits: Tensor, targets: Tensor) -> None:
-        """``logits`` (answers, vocab) at the positions of ``targets`` != -100 (B, T), in (row, position) order."""
+    def add(self, logits: Tensor, targets: Tensor, distances: np.ndarray | None = None) -> None:
+        """``logits`` (answers, vocab) at the positions of ``targets`` != -100 (B, T), in (row, position) order;
+        ``distances`` (answers,): each target's recall distance, needed when the tally has edges."""
         mask = targets != IGNORE_INDEX
         answer = targets[mask].to(logits.device)
         right = logits.argmax(-1) == answer
+        if self.edges is not None:
+            if distances is None or len(distances) != len(answer):
+                raise ValueError("a tally by distance needs one distance per target")
+            which = np.clip(np.searchsorted(self.edges, distances, side="right") - 1, 0, len(self.edges) - 2)
+            np.add.at(self.bin_answers, which, 1.0)
+            np.add.at(self.bin_correct, which, right.cpu().numpy().astype(np.float64))
         self.loss += float(F.cross_entropy(logits.float(), answer, reduction="sum"))
         self.correct += float(right.sum())
         self.answers += len(answer)
@@ -109,6 +127,14 @@ class Tally:
         n = max(self.answers, 1.0)
         return {"val_loss": self.loss / n, "accuracy": self.correct / n,
                 "perfect": self.perfect / max(self.sequences, 1.0)}
+
+    def by_distance(self) -> list[dict[str, Any]]:
+        """Per bin of recall distance [from, to): the answers in it and their accuracy (NaN for an empty bin)."""
+        if self.edges is None:
+            return []
+        return [{"from": int(a), "to": int(b), "answers": int(n), "accuracy": float(c / n) if n else math.nan}
+                for a, b, n, c in zip(self.edges[:-1], self.edges[1:], self.bin_answers, self.bin_correct,
+                                          strict=True)]
 
 
 @torch.no_grad()
@@ -126,12 +152,15 @@ def score(model: CausalLM, batches: Sequence[Batch], chunk_size: int = 1 << 30) 
 
 
 def evaluate_lengths(model: CausalLM, task: Task, lengths: Sequence[int], sequences: int = 64, batch_size: int = 16,
-                     chunk_size: int = 1024, seed: int = EVAL_SEED, progress: bool = True) -> list[dict[str, Any]]:
+                     chunk_size: int = 1024, seed: int = EVAL_SEED, progress: bool = True,
+                     distance_bins: int = 0) -> list[dict[str, Any]]:
     """Accuracy of ``model`` on ``task`` at each sequence length (Figure 6b): ``sequences`` fresh held-out sequences
-    per length, through the chunked forward (:func:`answer_logits`)."""
+    per length, through the chunked forward (:func:`answer_logits`). ``distance_bins`` > 0: each length's accuracy
+    split too by how far back the answer lies (``by_distance``: that many equal bins of 1 .. length - 1)."""
     if not lengths:
         raise ValueError("give at least one evaluation length")
     tasks = [task.with_length(int(n)) for n in lengths]  # every length checked before anything runs
+    edges = [distance_edges(t.seq_len, distance_bins) if distance_bins else None for t in tasks]
     if sequences < 1 or batch_size < 1 or chunk_size < 1:
         raise ValueError(f"sequences={sequences}, batch_size={batch_size} and chunk_size={chunk_size} must be "
                          "positive")
@@ -143,17 +172,24 @@ def evaluate_lengths(model: CausalLM, task: Task, lengths: Sequence[int], sequen
                    dynamic_ncols=True)
     results = []
     try:
-        for t in tasks:
+        for t, t_edges in zip(tasks, edges, strict=True):
             start = time.perf_counter()
-            tally = Tally()
+            tally = Tally(t_edges)
             model.eval()
             with torch.no_grad():
                 for batch in held_out(t, sequences, batch_size, seed):
-                    tally.add(answer_logits(model, batch.input_ids, batch.targets, chunk_size), batch.targets)
+                    distances = None
+                    if t_edges is not None:
+                        ids, targets = batch.input_ids.numpy(), batch.targets.numpy()
+                        distances = (targets != IGNORE_INDEX).nonzero()[1] - t.sources(ids, targets)
+                    tally.add(answer_logits(model, batch.input_ids, batch.targets, chunk_size), batch.targets,
+                              distances)
                     if bar is not None:
                         bar.update(batch.input_ids.numel())
             results.append({"length": t.seq_len, **tally.metrics(), "sequences": sequences,
                             "seconds": time.perf_counter() - start})
+            if t_edges is not None:
+                results[-1]["by_distance"] = tally.by_distance()
             if bar is not None:
                 m = results[-1]
                 bar.write(f"length {t.seq_len:>8}: accuracy {m['accuracy']:.4f}, perfect {m['perfect']:.4f}, "

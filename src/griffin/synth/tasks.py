@@ -87,6 +87,11 @@ class Task:
         """(input ids, targets), each (batch_size, seq_len) int64."""
         raise NotImplementedError
 
+    def sources(self, ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """For each target (in row, position order, as ``targets != -100`` lists them), the position of the token it
+        copies: the target's position minus it is how far back the model must recall."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class SelectiveCopying(Task):
@@ -134,6 +139,14 @@ class SelectiveCopying(Task):
         targets[:, span:] = data
         return ids, targets
 
+    def sources(self, ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        span = self.seq_len - self.num_data
+        data = (ids[:, :span] != self.NOISE).nonzero()[1]  # row by row, in order: the k-th is the k-th target's
+        if data.size != ids.shape[0] * self.num_data:
+            raise ValueError(f"{self.name}: not sequences of this task ({data.size} data tokens in {ids.shape[0]} "
+                             f"rows, expected {self.num_data} each)")
+        return data
+
 
 @dataclass(frozen=True)
 class InductionHeads(Task):
@@ -173,6 +186,12 @@ class InductionHeads(Task):
         targets = np.full((B, T), IGNORE_INDEX, np.int64)
         targets[:, -1] = ids[rows, first + 1]
         return ids, targets
+
+    def sources(self, ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        first = (ids[:, :-1] == self.TRIGGER).argmax(1)
+        if not (ids[np.arange(len(ids)), first] == self.TRIGGER).all():
+            raise ValueError(f"{self.name}: a sequence has no trigger before the last position")
+        return first + 1
 
 
 @dataclass(frozen=True)
@@ -226,6 +245,14 @@ class MQAR(Task):
         targets = np.full((B, T), IGNORE_INDEX, np.int64)
         np.put_along_axis(targets, queries, values, axis=1)
         return ids, targets
+
+    def sources(self, ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        rows, cols = (targets != IGNORE_INDEX).nonzero()
+        keys = ids[:, 0 : 2 * self.num_pairs : 2]  # (B, P)
+        match = keys[rows] == ids[rows, cols][:, None]
+        if not match.any(1).all():
+            raise ValueError(f"{self.name}: a query's key is not among its sequence's pairs")
+        return 2 * match.argmax(1) + 1  # the value's position
 
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (SelectiveCopying, InductionHeads, MQAR)}

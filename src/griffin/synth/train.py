@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from griffin.synth.evaluate import TASK_FILE
 from griffin.synth.plots import plot_accuracy
 from griffin.synth.source import TaskSource
 from griffin.synth.tasks import Task
-from griffin.training import TrainConfig, Trainer, TrainingStopped
+from griffin.training import StopRequest, TrainConfig, Trainer, TrainingStopped
 
 RESULT_FILE = "result.json"
 
@@ -71,10 +72,12 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
                     seed: int = 0, eval_every: int | None = None, eval_sequences: int | None = None,
                     window: int | None = None, warmup_steps: int | None = None, weight_decay: float = 0.1,
                     model: dict[str, Any] | None = None, stop_accuracy: float | None = None,
-                    compile: bool = False) -> dict[str, Any]:
+                    compile: bool = False, init: str | None = None) -> dict[str, Any]:
     """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None.
     ``stop_accuracy``: end the run at the first evaluation whose held-out accuracy reaches it (None: train every
-    step); ``compile``: the trainer's compiled step (``griffin train --compile``)."""
+    step); ``compile``: the trainer's compiled step (``griffin train --compile``); ``init``: start from the model of
+    another ``griffin synth`` run of the same task and family (e.g. trained at a shorter length) instead of a new
+    one."""
     budget = BUDGETS[task.name]
     opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
                             "eval_sequences": eval_sequences}
@@ -93,24 +96,67 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
     if stop_accuracy is not None and (isinstance(stop_accuracy, bool) or not isinstance(stop_accuracy, (int, float))
                                       or not 0 < stop_accuracy <= 1):
         raise ValueError(f"stop_accuracy={stop_accuracy!r} must be a number in (0, 1]")
+    if init is not None and model:
+        raise ValueError(f"model overrides {sorted(model)} with init={init!r}: a run started from another keeps its "
+                         "model")
     opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}),
-                stop_accuracy=stop_accuracy, compile=bool(compile))
+                stop_accuracy=stop_accuracy, compile=bool(compile), init=None if init is None else str(init))
     return opts
+
+
+def check_init(init: str | Path, task: Task, family: str) -> None:
+    """Refuse to start a run of ``family`` on ``task`` from ``init`` unless it is a ``griffin synth`` run of the same
+    task (any length) and family."""
+    import json
+
+    from griffin.synth.tasks import task_from_dict
+
+    spec = Path(init) / TASK_FILE
+    if not spec.is_file():
+        raise ValueError(f"init={init}: not a `griffin synth` run directory (no {TASK_FILE}); a run starts from the "
+                         "final model of another")
+    trained = task_from_dict(json.loads(spec.read_text()))
+    if trained.name != task.name or trained.vocab_size != task.vocab_size:
+        raise ValueError(f"init={init} was trained on {trained}, this run is {task}: start from a run of the same "
+                         "task and vocabulary")
+    config = json.loads((Path(init) / "config.json").read_text())
+    if config.get("family") != family:
+        raise ValueError(f"init={init} holds a {config.get('family')} model, this run trains {family}")
+
+
+class _RunStop:
+    """The trainer's stop request for a run: ``request`` set (SIGTERM), or ``reached()`` (the accuracy target)."""
+
+    def __init__(self, request: StopRequest | None, reached: Callable[[], bool], why: str) -> None:
+        self.request, self.reached, self.why = request, reached, why
+
+    def is_set(self) -> bool:
+        return (self.request is not None and self.request.is_set()) or self.reached()
+
+    @property
+    def reason(self) -> str:
+        return self.request.reason if self.request is not None and self.request.reason else self.why
 
 
 def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False, progress: bool = True,
                tensorboard: bool = True, threads: int = 0, ckpt_every: int | None = None,
-               **options: Any) -> SynthResult:
+               stop: StopRequest | None = None, **options: Any) -> SynthResult:
     """Train ``family`` on ``task`` into ``out``; ``options`` are those of :func:`resolve_options` (steps,
-    batch_size, lr, seed, eval_every, eval_sequences, window, warmup_steps, weight_decay, model overrides)."""
+    batch_size, lr, seed, eval_every, eval_sequences, window, warmup_steps, weight_decay, model overrides).
+    ``stop`` (SIGTERM in ``griffin synth``): once set, the run writes the checkpoint of its step and raises
+    :class:`~griffin.training.TrainingStopped`; ``resume=True`` continues it exactly."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     opts = resolve_options(task, **options)
     steps, batch_size, eval_every = opts["steps"], opts["batch_size"], opts["eval_every"]
     overrides = {"vocab_size": task.vocab_size, "attention_window": opts["window"], **opts["model"]}
+    if opts["init"] is not None:
+        check_init(opts["init"], task, family)
+        overrides = {"attention_window": opts["window"]}  # the only field a run from another may change
     out = Path(out)
     cfg = TrainConfig(
-        preset=f"{family}-synthetic", model=overrides, seq_len=task.seq_len, batch_size=batch_size, max_steps=steps,
+        preset=f"{family}-synthetic", model=overrides, init=opts["init"] or "",
+        seq_len=task.seq_len, batch_size=batch_size, max_steps=steps,
         lr=opts["lr"], warmup_steps=opts["warmup_steps"], weight_decay=opts["weight_decay"], eval_interval=eval_every,
         log_interval=min(10, eval_every), ckpt_interval=ckpt_every or max(eval_every, steps // 4), out=str(out),
         resume="auto" if resume else "", seed=opts["seed"], tensorboard=tensorboard, progress=progress, threads=threads,
@@ -127,8 +173,10 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
 
     stopped_early = False
     try:
-        records = trainer.run(reached).history
+        records = trainer.run(_RunStop(stop, reached, f"held-out accuracy >= {target}")).history
     except TrainingStopped:
+        if stop is not None and stop.is_set():  # asked to stop, not done: the checkpoint is written, nothing else
+            raise
         stopped_early = True
         records = trainer.log.records()
     wall = time.perf_counter() - start

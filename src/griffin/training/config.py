@@ -37,6 +37,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+INIT_OVERRIDES = ("attention_window",)
+"""The ModelConfig fields a fine-tune (``--init``) may override: no weight depends on them."""
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -51,7 +55,8 @@ class TrainConfig:
         "help": "ModelConfig fields overriding the preset, e.g. width=256 depth=8 (TOML: a [model] table); "
                 "vocab_size defaults to the data's tokenizer"})
     init: str = _opt("", "fine-tune: start from this checkpoint (griffin, HF RecurrentGemma or official .pt), with "
-                         "its config and tokenizer, instead of a new model (preset and --model do not apply)")
+                         "its config and tokenizer, instead of a new model (preset and --model do not apply, but for --model "
+                         "attention_window=N)")
     # Fine-tuning (docs/finetuning.md)
     lora_rank: int = _opt(0, "with --init: train LoRA adapters of this rank on the frozen model (0: train every "
                              "weight)")
@@ -184,9 +189,10 @@ class TrainConfig:
                              "LoRA trains in "
                              "one process or data-parallel (DistributedDataParallel under torchrun); tp and dp_shard "
                              "lay out a full fine-tune (--lora-rank 0)")
-        if self.init and self.model:
-            raise ValueError(f"--model {', '.join(sorted(self.model))}: a fine-tune (--init) keeps the checkpoint's "
-                             "model config")
+        if self.init and set(self.model) - set(INIT_OVERRIDES):
+            raise ValueError(f"--model {', '.join(sorted(set(self.model) - set(INIT_OVERRIDES)))}: a fine-tune "
+                             "(--init) keeps the checkpoint's model config (it may change only "
+                             f"{', '.join(INIT_OVERRIDES)}, which no weight depends on)")
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha={self.lora_alpha} must be positive")
         if not 0.0 <= self.lora_dropout < 1.0:

@@ -476,8 +476,9 @@ class Trainer:
         self._bar = None
 
     def _base_model(self) -> CausalLM:
-        """The ``--init`` checkpoint's model, in float32 on the CPU; for examples, with the Conv1D reset at document
-        starts too (so that no packed example sees the one before it; a single sequence is computed the same)."""
+        """The ``--init`` checkpoint's model, in float32 on the CPU, with ``cfg.model``'s weight-free overrides
+        (the local-attention window); for examples, with the Conv1D reset at document starts too (so that no packed
+        example sees the one before it; a single sequence is computed the same)."""
         from griffin.interop import load_pretrained
         from griffin.quantize import quantization_of
 
@@ -485,11 +486,14 @@ class Trainer:
         if quantization_of(base) is not None:
             raise ValueError(f"--init {self.cfg.init} holds int8 weights: fine-tune the float checkpoint it was "
                              "quantised from")
+        changes = dict(self.cfg.model)  # only fields no weight depends on (TrainConfig checks)
         if self.examples and not base.config.conv1d_document_reset:
+            changes["conv1d_document_reset"] = True
+        if changes:
             with torch.device("meta"):
-                reset = CausalLM(base.config.replace(conv1d_document_reset=True))
-            reset.load_state_dict(base.state_dict(), assign=True)
-            base = reset
+                changed = CausalLM(base.config.replace(**changes))
+            changed.load_state_dict(base.state_dict(), assign=True)
+            base = changed
         return base.train()
 
     def _use_source(self, source: BatchSource) -> None:
