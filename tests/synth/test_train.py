@@ -252,6 +252,12 @@ def test_sigterm_stops_a_run_with_its_checkpoint_and_resume_finishes_it(tmp_path
     assert stderr.strip().splitlines()[-1] == (f"griffin synth: training stopped by SIGTERM after step {step}; "
                                                f"checkpoint: {ckpt}; continue with the same command and --resume")
     assert not (run / "result.json").exists() and not (run / "model.safetensors").exists()
+    # the stopped run is evaluated from its checkpoint (task.json is written when a run starts)
+    assert main(["synth", "eval", str(run), "--lengths", "16", "--no-progress"]) == 2
+    assert "holds no model yet (the run has not finished)" in capsys.readouterr().err
+    assert main(["synth", "eval", str(run / "checkpoints" / "latest"), "--lengths", "16", "32", "--sequences", "2",
+                 "--no-progress"]) == 0
+    assert "| 32 |" in capsys.readouterr().out
     assert main([*args, "--max-steps", str(step + 3), "--resume"]) == 0
     assert f"after {step + 3} steps" in capsys.readouterr().out
     assert json.loads((run / "result.json").read_text())["steps"] == step + 3

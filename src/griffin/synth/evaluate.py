@@ -200,16 +200,28 @@ def evaluate_lengths(model: CausalLM, task: Task, lengths: Sequence[int], sequen
     return results
 
 
-def load_run(directory: str | Path) -> tuple[CausalLM, Task]:
-    """The model (``load_pretrained``) and the task (``task.json``) of a ``griffin synth`` run directory."""
+def run_files(directory: str | Path) -> tuple[Task, Path]:
+    """The task (``task.json``) and the directory of the model of a ``griffin synth`` run: the run's final model
+    (``DIR``), or one of its checkpoints (``DIR/checkpoints/NAME``, e.g. of a run still training or stopped)."""
     directory = Path(directory)
-    spec = directory / TASK_FILE
+    run = directory if (directory / TASK_FILE).is_file() else directory.parent.parent
+    spec = run / TASK_FILE
     if not spec.is_file():
-        raise FileNotFoundError(f"{directory} holds no {TASK_FILE}: not a `griffin synth` run directory")
+        raise FileNotFoundError(f"{directory} holds no {TASK_FILE}: not a `griffin synth` run directory or one of "
+                                "its checkpoints")
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} holds no model yet (the run has not finished): give one of its "
+                                f"checkpoints, e.g. {directory / 'checkpoints' / 'latest'}")
     try:
-        task = task_from_dict(json.loads(spec.read_text()))
+        return task_from_dict(json.loads(spec.read_text())), directory
     except json.JSONDecodeError as err:
         raise ValueError(f"{spec} is not valid JSON: {err}") from None
+
+
+def load_run(directory: str | Path) -> tuple[CausalLM, Task]:
+    """The model (``load_pretrained``) and the task of a ``griffin synth`` run directory or one of its checkpoints
+    (:func:`run_files`)."""
+    task, directory = run_files(directory)
     model = load_pretrained(directory)
     if model.config.vocab_size < task.vocab_size:
         raise ValueError(f"{directory}: the model has {model.config.vocab_size} tokens, the task {task.vocab_size}")

@@ -20,7 +20,7 @@ from typing import Any
 from griffin.config import FAMILIES
 from griffin.interop import save_pretrained
 from griffin.io import write_json
-from griffin.synth.evaluate import TASK_FILE
+from griffin.synth.evaluate import TASK_FILE, run_files
 from griffin.synth.plots import plot_accuracy
 from griffin.synth.source import TaskSource
 from griffin.synth.tasks import Task
@@ -106,16 +106,13 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
 
 def check_init(init: str | Path, task: Task, family: str) -> None:
     """Refuse to start a run of ``family`` on ``task`` from ``init`` unless it is a ``griffin synth`` run of the same
-    task (any length) and family."""
+    task (any length) and family, or one of its checkpoints."""
     import json
 
-    from griffin.synth.tasks import task_from_dict
-
-    spec = Path(init) / TASK_FILE
-    if not spec.is_file():
-        raise ValueError(f"init={init}: not a `griffin synth` run directory (no {TASK_FILE}); a run starts from the "
-                         "final model of another")
-    trained = task_from_dict(json.loads(spec.read_text()))
+    try:
+        trained, _ = run_files(init)
+    except FileNotFoundError as err:
+        raise ValueError(f"init={init}: {err}") from None
     if trained.name != task.name or trained.vocab_size != task.vocab_size:
         raise ValueError(f"init={init} was trained on {trained}, this run is {task}: start from a run of the same "
                          "task and vocabulary")
@@ -165,6 +162,7 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
     source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"])
     start = time.perf_counter()
     trainer = Trainer(cfg, source=source)
+    write_json(out / TASK_FILE, task.to_dict())  # from the start: a checkpoint of the run is evaluable (synth eval)
     target = opts["stop_accuracy"]
 
     def reached() -> bool:  # looked at after every step: only a step just evaluated counts
@@ -190,7 +188,6 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
         stopped_early=stopped_early, options=opts, config=cfg.to_dict(),
     )
     save_pretrained(trainer.model, out)
-    write_json(out / TASK_FILE, task.to_dict())
     write_json(out / RESULT_FILE, result.to_dict())
     plot_accuracy({family: [(r["step"], r["accuracy"]) for r in history]}, out / "accuracy.png",
                   f"{task.name}: {family}")

@@ -55,8 +55,8 @@ class TrainConfig:
         "help": "ModelConfig fields overriding the preset, e.g. width=256 depth=8 (TOML: a [model] table); "
                 "vocab_size defaults to the data's tokenizer"})
     init: str = _opt("", "fine-tune: start from this checkpoint (griffin, HF RecurrentGemma or official .pt), with "
-                         "its config and tokenizer, instead of a new model (preset and --model do not apply, but for --model "
-                         "attention_window=N)")
+                         "its config and tokenizer, instead of a new model (preset and --model do not apply, but for "
+                         "--model attention_window=N)")
     # Fine-tuning (docs/finetuning.md)
     lora_rank: int = _opt(0, "with --init: train LoRA adapters of this rank on the frozen model (0: train every "
                              "weight)")
