@@ -43,6 +43,25 @@ def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pa
     _save(plt, fig, path)
 
 
+def run_curve(directory: str | Path) -> list[tuple[int, float]]:
+    """(step, held-out accuracy) of every evaluation in a run's ``log.jsonl``, finished or not (a resumed run's
+    repeated steps: the last record of each)."""
+    import json
+
+    log = Path(directory) / "log.jsonl"
+    if not log.is_file():
+        raise FileNotFoundError(f"{directory} holds no log.jsonl: not a `griffin synth` run directory")
+    points: dict[int, float] = {}
+    for line in log.read_text().splitlines():
+        if line.endswith("}"):  # a line cut short by a killed run is skipped
+            record = json.loads(line)
+            if record.get("kind") == "eval" and "accuracy" in record:
+                points[int(record["step"])] = float(record["accuracy"])
+    if not points:
+        raise ValueError(f"{log} has no evaluation yet")
+    return sorted(points.items())
+
+
 def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Path, title: str,
                  train_length: int | None = None) -> None:
     """Accuracy against the evaluation sequence length on a log axis, one line per family (Figure 6b)."""
