@@ -197,14 +197,16 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
         t.add_argument("--out", required=True, help="run directory: checkpoints, logs, the final model, task.json")
         t.add_argument("--resume", action="store_true", help="continue the run in OUT from its newest checkpoint")
         t.add_argument("--init", metavar="DIR",
-                       help="start from the final model of another run of this task and family (e.g. trained at a "
-                            "shorter --seq-len: a length curriculum) instead of a new model")
+                       help="start from the model of another run of this task and family, or from one of its "
+                            "checkpoints (e.g. trained at a shorter --seq-len: a length curriculum), instead of a new "
+                            "model")
         _task_options(t, name)
         _train_options(t)
         t.set_defaults(func=cmd_train, task=name)
 
     e = actions.add_parser("eval", help="accuracy of a trained run at other sequence lengths")
-    e.add_argument("dir", help="a `griffin synth` run directory (model + task.json)")
+    e.add_argument("dir", help="a `griffin synth` run directory (model + task.json), or one of its checkpoints "
+                               "(DIR/checkpoints/NAME: a run not finished or stopped)")
     _length_options(e, required=True)
     e.add_argument("--distance-bins", type=int, default=0, metavar="K",
                    help="also split each length's accuracy by how far back the answer lies: K equal bins of "
