@@ -267,15 +267,15 @@ def test_plot_draws_the_curves_of_runs_from_their_logs(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     first = train_task(TASKS["induction_heads"], "hawk", a, **dict(QUICK, steps=4, eval_every=2))
     train_task(TASKS["induction_heads"], "mqa", b, **QUICK)
-    png = tmp_path / "curves.png"
-    assert main(["synth", "plot", str(a), str(b), "--out", str(png), "--label", "Hawk", "--label", "MQA"]) == 0
+    png = tmp_path / "plots" / "accuracy.png"
+    assert main(["synth", "plot", str(a), str(b), "--out", str(png.parent), "--label", "Hawk", "--label", "MQA"]) == 0
     out = capsys.readouterr().out
     assert png.stat().st_size > 0
     assert f"Hawk: 3 evaluations to step 4; last {first.history[-1]['accuracy']:.4f}" in out
     from griffin.synth.plots import run_curve
 
     assert run_curve(a) == [(r["step"], r["accuracy"]) for r in first.history]
-    assert main(["synth", "plot", str(a), str(b), "--out", str(png), "--label", "Hawk"]) == 2
+    assert main(["synth", "plot", str(a), str(b), "--out", str(png.parent), "--label", "Hawk"]) == 2
     assert "1 --label for 2 run directories" in capsys.readouterr().err
-    assert main(["synth", "plot", str(tmp_path), "--out", str(png)]) == 2
+    assert main(["synth", "plot", str(tmp_path), "--out", str(png.parent)]) == 2
     assert "holds no log.jsonl" in capsys.readouterr().err

@@ -18,7 +18,7 @@ DESCRIPTION = """Copy and retrieval tasks trained from scratch (Section 6.2, Fig
   griffin synth TASK --family hawk --out DIR      train one family (TASK: selective-copying, induction-heads, mqar)
   griffin synth eval DIR --lengths 256 4096       accuracy of a trained run at other sequence lengths
   griffin synth compare TASK --out DIR            the three families, same budget and seed: plots and a table
-  griffin synth plot DIR... --out PNG             the accuracy curves of runs, finished or not
+  griffin synth plot DIR... --out OUT             the accuracy curves of runs, finished or not
 
 The tasks' defaults are the paper's (Zoology's for MQAR); docs/experiments.md gives the smaller settings that train
 in minutes on a CPU, and what they showed."""
@@ -152,12 +152,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if len(labels) != len(args.dirs):
         raise ValueError(f"{len(labels)} --label for {len(args.dirs)} run directories: give one per run or none")
     curves = {label: run_curve(d) for label, d in zip(labels, args.dirs, strict=True)}
-    plot_accuracy(curves, args.out, args.title)
+    out = Path(args.out) / "accuracy.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot_accuracy(curves, out, args.title)
     for label, points in curves.items():
         best = max(points, key=lambda p: p[1])
         print(f"{label}: {len(points)} evaluations to step {points[-1][0]:,}; last {points[-1][1]:.4f}, best "
               f"{best[1]:.4f} at step {best[0]:,}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 
@@ -218,7 +220,7 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     g = actions.add_parser("plot", help="held-out accuracy against training step of runs, finished or not, from their "
                            "log.jsonl")
     g.add_argument("dirs", nargs="+", metavar="DIR", help="`griffin synth` run directories")
-    g.add_argument("--out", required=True, help="the PNG to write")
+    g.add_argument("--out", required=True, help="output directory (accuracy.png)")
     g.add_argument("--label", action="append", help="a run's name in the legend, one per DIR in order (default: "
                    "the directories' names)")
     g.add_argument("--title", default="held-out accuracy", help="the plot's title")
