@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from griffin import CausalLM, ModelConfig
 from griffin.synth import MQAR, InductionHeads, SelectiveCopying, evaluate_lengths
@@ -149,3 +150,44 @@ def test_bad_lengths_are_refused(gen):
         evaluate_lengths(model, SelectiveCopying(seq_len=64), [20], progress=False)
     with pytest.raises(ValueError, match="at least one"):
         evaluate_lengths(model, InductionHeads(seq_len=32), [], progress=False)
+
+
+def test_memory_horizons_are_the_inverse_mean_decay(gen):
+    """With input-independent gates (a_gate weights zero, bias beta) every step keeps a_t = exp(-c sigmoid(beta)
+    softplus(Lambda)): each channel's horizon is 1 / (c sigmoid(beta) softplus(Lambda)), whatever the tokens."""
+    from griffin.layers.rg_lru import RGLRU
+    from griffin.synth.evaluate import memory_horizons
+
+    model = tiny_model("griffin", gen)
+    lrus = [m for m in model.modules() if isinstance(m, RGLRU)]
+    assert len(lrus) == model.config.block_types.count("recurrent") >= 2
+    want = []
+    with torch.no_grad():
+        for lru in lrus:
+            lru.a_gate.w.zero_()
+            lru.a_gate.b.normal_(generator=gen)
+            lru.a_param.normal_(generator=gen)
+            rate = lru.c * torch.sigmoid(lru.a_gate.b.reshape(-1).double()) * F.softplus(lru.a_param.double())
+            want.append(1.0 / rate)
+    got = memory_horizons(model, torch.randint(0, 16, (3, 37), generator=gen))
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match="no RG-LRU"):
+        memory_horizons(tiny_model("mqa", gen), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_memory_horizons_grow_with_a_gate_that_closes_on_a_token(gen):
+    """A channel whose recurrence gate closes (r_t -> 0, a_t -> 1) on most tokens keeps its state longer: its horizon
+    is the inverse of the decay averaged over the tokens seen."""
+    from griffin.layers.rg_lru import RGLRU
+    from griffin.synth.evaluate import memory_horizons
+
+    model = tiny_model("hawk", gen)
+    ids = torch.randint(0, 16, (2, 64), generator=gen)
+    before = memory_horizons(model, ids)
+    with torch.no_grad():
+        for lru in (m for m in model.modules() if isinstance(m, RGLRU)):
+            lru.a_gate.b.sub_(4.0)  # r_t smaller on every token: a_t closer to 1
+    after = memory_horizons(model, ids)
+    assert all((a > b).all() for a, b in zip(after, before, strict=True))

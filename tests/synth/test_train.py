@@ -89,6 +89,12 @@ def test_command_line_train_eval_compare(tmp_path, capsys):
     assert [r["length"] for r in lengths] == [16, 64]
     assert main(["synth", "eval", str(tmp_path), "--lengths", "16"]) == 2
     assert "holds no task.json" in capsys.readouterr().err
+    assert main(["synth", "eval", str(run), "--lengths", "16", "--sequences", "2", "--horizons", "48",
+                 "--out", str(tmp_path / "horizons"), "--no-progress"]) == 0
+    assert "memory horizons" in capsys.readouterr().out
+    horizons = json.loads((tmp_path / "horizons" / "lengths.json").read_text())["horizons"]
+    assert horizons["length"] == 48 and [r["block"] for r in horizons["blocks"]] == [0, 1, 2, 3, 4]
+    assert all(r["longest"] >= r["median"] > 0 for r in horizons["blocks"])
 
     cmp = tmp_path / "compare"
     args = ["synth", "compare", "induction_heads", "--out", str(cmp), *quick, "--lengths", "16", "32",
@@ -105,6 +111,11 @@ def test_command_line_train_eval_compare(tmp_path, capsys):
     assert main(args) == 0
     assert (cmp / "hawk" / "model.safetensors").stat().st_mtime_ns == stamp
     assert Path(cmp / "griffin" / "task.json").is_file()
+    # --horizons is refused for a model without a recurrent block, before anything is evaluated or written
+    files = {f: f.stat().st_mtime_ns for f in (cmp / "mqa").rglob("*")}
+    assert main(["synth", "eval", str(cmp / "mqa"), "--lengths", "16", "--horizons", "32", "--no-progress"]) == 2
+    assert "an mqa model, without a recurrent block" in capsys.readouterr().err
+    assert {f: f.stat().st_mtime_ns for f in (cmp / "mqa").rglob("*")} == files
 
 
 def test_compare_checks_everything_before_training(tmp_path):

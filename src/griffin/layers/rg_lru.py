@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from griffin.ops.rg_lru import rg_lru, sqrt_bound_derivative
+from griffin.ops.rg_lru import rg_lru, rg_lru_gates, sqrt_bound_derivative
 from griffin.ops.scan import linear_scan
 
 
@@ -69,6 +69,11 @@ class RGLRU(nn.Module):
     def forward(self, x: Tensor, reset: Tensor | None = None, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: (B, T, width); reset: (B, T) document starts; h0: (B, width). Returns (y, h_last)."""
         return rg_lru(x, self.input_gate(x), self.a_gate(x), self.a_param, self.c, h0, reset)
+
+    def decay(self, x: Tensor) -> Tensor:
+        """a_t = a^(c r_t) for the inputs x (B, T, width), in the accumulation dtype: the fraction of the state each
+        step keeps (Section 2.4)."""
+        return rg_lru_gates(x, self.input_gate(x), self.a_gate(x), self.a_param, self.c, None)[0]
 
 
 class CGLRU(nn.Module):

@@ -126,6 +126,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from griffin.synth.evaluate import evaluate_lengths, load_run
 
     model, task = load_run(args.dir)
+    if args.horizons:  # refused before the evaluation runs
+        task.with_length(args.horizons)
+        if "recurrent" not in model.config.block_types:
+            raise ValueError(f"--horizons: {args.dir} is an {model.config.family} model, without a recurrent block")
     results = evaluate_lengths(model, task, args.lengths, sequences=args.sequences, batch_size=args.eval_batch,
                                chunk_size=args.chunk_size, progress=args.progress, distance_bins=args.distance_bins)
     print(f"{model.config.family} on {task} (trained at {task.seq_len}):")
@@ -139,10 +143,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for r in results:
             for b in r["by_distance"]:
                 print(f"| {r['length']:,} | {b['from']:,}–{b['to'] - 1:,} | {b['answers']} | {b['accuracy']:.4f} |")
+    record = {"task": task.to_dict(), "family": model.config.family, "lengths": results}
+    if args.horizons:
+        record["horizons"] = _horizons(model, task, args.horizons, min(args.sequences, args.eval_batch))
     out = Path(args.out or args.dir) / "lengths.json"
-    write_json(out, {"task": task.to_dict(), "family": model.config.family, "lengths": results})
+    write_json(out, record)
     print(f"wrote {out}")
     return 0
+
+
+def _horizons(model, task, length: int, sequences: int) -> dict[str, Any]:
+    """Print and return the memory horizons (:func:`griffin.synth.evaluate.memory_horizons`) of each recurrent
+    block on held-out sequences of ``length``: the longest channel's, the median channel's."""
+    from griffin.synth.evaluate import held_out, memory_horizons
+
+    t = task.with_length(length)
+    horizons = memory_horizons(model, held_out(t, sequences, sequences)[0].input_ids)
+    rows = [{"block": i, "longest": float(h.max()), "median": float(h.median())}
+            for i, h in zip([i for i, k in enumerate(model.config.block_types) if k == "recurrent"], horizons,
+                            strict=True)]
+    print(f"\nmemory horizons (tokens after which a channel keeps e^-1 of its state; {sequences} sequences of "
+          f"{length:,}):\n| block | longest channel | median channel |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['block']} | {r['longest']:,.0f} | {r['median']:,.0f} |")
+    return {"length": length, "sequences": sequences, "blocks": rows}
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -213,6 +237,9 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--distance-bins", type=int, default=0, metavar="K",
                    help="also split each length's accuracy by how far back the answer lies: K equal bins of "
                         "1 .. length - 1 (e.g. 4 at T = 256 puts Griffin's window of 128 at a bin edge)")
+    e.add_argument("--horizons", type=int, default=0, metavar="N",
+                   help="also each recurrent block's memory horizons (tokens after which an RG-LRU channel keeps "
+                        "e^-1 of its state), measured on held-out sequences of length N (e.g. 4096)")
     e.add_argument("--out", help="directory of lengths.json (default: DIR)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     e.set_defaults(func=cmd_eval)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from griffin.data import Batch
 from griffin.interop import load_pretrained
+from griffin.layers.rg_lru import RGLRU
 from griffin.model import CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.synth.tasks import Task, task_from_dict
@@ -198,6 +199,26 @@ def evaluate_lengths(model: CausalLM, task: Task, lengths: Sequence[int], sequen
         if bar is not None:
             bar.close()
     return results
+
+
+def memory_horizons(model: CausalLM, input_ids: Tensor) -> list[Tensor]:
+    """Each RG-LRU channel's memory horizon on ``input_ids``, one (width,) tensor per recurrent block in depth order:
+    1 / mean_t(-log a_t), the tokens after which the channel's state keeps e^-1 of what it held (Section 2.4). An
+    answer kept only in channels whose horizon is short against a distance is lost at that distance: the check of
+    what a model trained at T can extrapolate to (Figure 6b)."""
+    decays: list[Tensor] = []
+    handles = [m.register_forward_hook(lambda mod, args, out: decays.append(mod.decay(args[0])))
+               for m in model.modules() if isinstance(m, RGLRU)]
+    if not handles:
+        raise ValueError(f"{model.config.family}: the model has no RG-LRU, so no memory horizon")
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return [1.0 / -a.log().mean(dim=(0, 1)) for a in decays]
 
 
 def run_files(directory: str | Path) -> tuple[Task, Path]:
