@@ -102,6 +102,7 @@ def test_dict_round_trip(tmp_path):
         (dict(a_init_range=(0.9, 1.0)), "a_init_range"),
         (dict(logits_soft_cap=-1.0), "logits_soft_cap=-1.0"),
         (dict(gelu_approximation="relu"), "gelu_approximation='relu'"),
+        (dict(a_init_rule="uniform"), "a_init_rule='uniform' is not one of ('ring', 'paper')"),
         (dict(head_dim=7), "head_dim=7"),
         (dict(init_std=float("nan")), "init_std=nan"),
         (dict(init_std=-1.0), "init_std=-1.0"),

@@ -15,6 +15,7 @@ from griffin.io import write_json
 FAMILIES = ("mqa", "hawk", "griffin")
 BLOCK_TYPES = ("recurrent", "attention", "local_attention")
 GELU_APPROXIMATIONS = ("tanh", "none")
+A_INIT_RULES = ("ring", "paper")
 
 # Paper, Appendix C (Table 5): size -> (width D, RNN width D_RNN, depth N, attention heads H).
 PAPER_SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -68,8 +69,10 @@ class ModelConfig:
         conv1d_width: temporal width of the recurrent block's causal depthwise Conv1D (4).
         rg_lru_c: the RG-LRU constant c in a_t = a^(c r_t) (8).
         gate_blocks: number of diagonal blocks of the RG-LRU gate weights W_a and W_x (16).
-        a_init_range: (min, max) of the decay a at initialisation (0.9, 0.999, Section 2.4); a^2 is
-            drawn uniformly in [min^2, max^2] ("uniform on a ring"), as the released implementation does.
+        a_init_range: (min, max) of the decay at initialisation (0.9, 0.999, Section 2.4), read by a_init_rule.
+        a_init_rule: ``ring`` (the released implementation): the decay a has a^2 uniform in [min^2, max^2];
+            ``paper`` (Section 2.4's text): a^c, the decay at r_t = 1, is uniform in [min, max], so that a starts
+            c times closer to 1 in log space and the state is kept longer.
         rope_base: RoPE maximum wavelength.
         rope_fraction: fraction of each head's dimensions that RoPE rotates.
         tie_embeddings: share the embedding with the output layer (the paper does).
@@ -99,6 +102,7 @@ class ModelConfig:
     rg_lru_c: float = 8.0
     gate_blocks: int = 16
     a_init_range: tuple[float, float] = (0.9, 0.999)
+    a_init_rule: str = "ring"
     rope_base: float = 10_000.0
     rope_fraction: float = 0.5
     tie_embeddings: bool = True
@@ -152,7 +156,7 @@ class ModelConfig:
         for key in ("tie_embeddings", "embed_scale", "complex_lru", "conv1d_document_reset",
                     "attention_document_mask"):
             need(isinstance(getattr(self, key), bool), key, "true or false (a bool)")
-        for key in ("family", "gelu_approximation", "name"):
+        for key in ("family", "gelu_approximation", "a_init_rule", "name"):
             need(isinstance(getattr(self, key), str), key, "a string")
         need(self.block_types is None or (isinstance(self.block_types, (list, tuple))
                                           and all(isinstance(k, str) for k in self.block_types)),
@@ -202,6 +206,7 @@ class ModelConfig:
         need(self.init_std is None or self.init_std > 0, f"init_std={self.init_std} must be positive or None")
         need(self.gelu_approximation in GELU_APPROXIMATIONS,
              f"gelu_approximation={self.gelu_approximation!r} is not one of {GELU_APPROXIMATIONS}")
+        need(self.a_init_rule in A_INIT_RULES, f"a_init_rule={self.a_init_rule!r} is not one of {A_INIT_RULES}")
 
     # Derived quantities -------------------------------------------------------------------------
     @property

@@ -216,6 +216,26 @@ def test_a_init_range(gen):
     assert ks(a_uniform) > 2 * 1.95 / n**0.5
 
 
+def test_a_init_rule_of_the_paper(gen):
+    """a_init_rule="paper": a^c (the decay at r_t = 1) uniform on [0.9, 0.999] (Section 2.4's text), for the RG-LRU
+    and the CG-LRU, so -log a starts about c times smaller on average than on the ring (the released
+    implementation, where a itself spans [0.9, 0.999])."""
+    seed_torch(gen)
+    n = 200_000
+    lru = RGLRU(n, 20_000, c=8.0, a_init_rule="paper")
+    ac = torch.exp(-8.0 * F.softplus(lru.a_param.detach().double())).sort().values
+    assert 0.9 - 1e-6 <= ac.min() and ac.max() <= 0.999 + 1e-6
+    empirical = torch.arange(1, n + 1, dtype=torch.float64) / n
+    cdf = ((ac - 0.9) / 0.099).clamp(0, 1)
+    assert float((empirical - cdf).abs().max()) < 1.95 / n**0.5 + 1 / n
+    ring = RGLRU(n, 20_000, c=8.0)
+    ratio = F.softplus(ring.a_param.detach().double()).mean() / F.softplus(lru.a_param.detach().double()).mean()
+    assert 7.0 < ratio < 9.0  # about c = 8
+    cg = CGLRU(8, 2, c=4.0, a_init_rule="paper")
+    ac = torch.exp(-4.0 * F.softplus(cg.a_param.detach()))
+    assert (ac >= 0.9 - 1e-6).all() and (ac <= 0.999 + 1e-6).all()
+
+
 def lru_formula(lru: RGLRU, x, reset, h0=None):
     """Section 2.4 literally (tests.conftest.rg_lru_formula) with the layer's gates."""
     return rg_lru_formula(x, lru.input_gate(x), lru.a_gate(x), lru.a_param, lru.c, h0, reset)

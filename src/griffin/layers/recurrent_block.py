@@ -38,7 +38,7 @@ class RecurrentBlock(nn.Module):
         self.in_proj = LinearGroup(self, ("linear_y", "linear_x"))  # one input: fused for decoding
         self.conv_1d = CausalConv1D(R, config.conv1d_width)
         lru = CGLRU if config.complex_lru else RGLRU
-        self.rg_lru = lru(R, config.gate_blocks, config.rg_lru_c, config.a_init_range)
+        self.rg_lru = lru(R, config.gate_blocks, config.rg_lru_c, config.a_init_range, config.a_init_rule)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -39,11 +39,15 @@ class BlockDiagonalLinear(nn.Module):
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
 
 
-def init_a_param(a_param: Tensor, min_rad: float, max_rad: float, eps: float = 1e-8) -> None:
-    """Lambda such that a = exp(-softplus(Lambda)) has a^2 uniform in [min_rad^2, max_rad^2] (Section 2.4)."""
+def init_a_param(a_param: Tensor, min_rad: float, max_rad: float, rule: str = "ring", c: float = 8.0,
+                 eps: float = 1e-8) -> None:
+    """Lambda for a = exp(-softplus(Lambda)) at initialisation (Section 2.4): ``ring`` (the released implementation)
+    draws a^2 uniformly in [min_rad^2, max_rad^2]; ``paper`` draws a^c uniformly in [min_rad, max_rad], as the
+    paper's text says."""
+    lo, hi, power = {"ring": (min_rad**2, max_rad**2, 2.0), "paper": (min_rad, max_rad, c)}[rule]
     with torch.no_grad():
-        a_param.uniform_(min_rad**2 + eps, max_rad**2 + eps)
-        a_param.log_().mul_(0.5)  # log a
+        a_param.uniform_(lo + eps, hi + eps)
+        a_param.log_().div_(power)  # log a
         a_param.neg_().exp_().sub_(1.0).log_()  # softplus^-1(-log a)
 
 
@@ -52,10 +56,11 @@ class RGLRU(nn.Module):
     h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t), with a = sigmoid(-Lambda) computed in log space."""
 
     def __init__(self, width: int, gate_blocks: int, c: float = 8.0,
-                 a_init_range: tuple[float, float] = (0.9, 0.999)) -> None:
+                 a_init_range: tuple[float, float] = (0.9, 0.999), a_init_rule: str = "ring") -> None:
         super().__init__()
         self.c = c
         self.a_init_range = a_init_range
+        self.a_init_rule = a_init_rule
         self.input_gate = BlockDiagonalLinear(width, width, gate_blocks)
         self.a_gate = BlockDiagonalLinear(width, width, gate_blocks)
         self.a_param = nn.Parameter(torch.empty(width))
@@ -64,7 +69,7 @@ class RGLRU(nn.Module):
     def reset_parameters(self) -> None:
         self.input_gate.reset_parameters()
         self.a_gate.reset_parameters()
-        init_a_param(self.a_param, *self.a_init_range)
+        init_a_param(self.a_param, *self.a_init_range, self.a_init_rule, self.c)
 
     def forward(self, x: Tensor, reset: Tensor | None = None, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: (B, T, width); reset: (B, T) document starts; h0: (B, width). Returns (y, h_last)."""
@@ -81,12 +86,14 @@ class CGLRU(nn.Module):
     a~_t = a~^(c r_t), h~_t = a~_t h~_{t-1} + sqrt(1 - |a~_t|^2) (i_t x~_t), y = [Re h~; Im h~]."""
 
     def __init__(self, width: int, gate_blocks: int, c: float = 8.0,
-                 a_init_range: tuple[float, float] = (0.9, 0.999), max_phase: float = 2 * math.pi) -> None:
+                 a_init_range: tuple[float, float] = (0.9, 0.999), a_init_rule: str = "ring",
+                 max_phase: float = 2 * math.pi) -> None:
         super().__init__()
         if width % 2:
             raise ValueError(f"CGLRU width={width} must be even")
         self.c = c
         self.a_init_range = a_init_range
+        self.a_init_rule = a_init_rule
         self.max_phase = max_phase
         half = width // 2
         self.input_gate = BlockDiagonalLinear(width, half, gate_blocks)
@@ -98,7 +105,7 @@ class CGLRU(nn.Module):
     def reset_parameters(self) -> None:
         self.input_gate.reset_parameters()
         self.a_gate.reset_parameters()
-        init_a_param(self.a_param, *self.a_init_range)
+        init_a_param(self.a_param, *self.a_init_range, self.a_init_rule, self.c)
         with torch.no_grad():
             self.theta.uniform_(0.0, self.max_phase)
 
