@@ -286,6 +286,15 @@ def test_plot_draws_the_curves_of_runs_from_their_logs(tmp_path, capsys):
     from griffin.synth.plots import run_curve
 
     assert run_curve(a) == [(r["step"], r["accuracy"]) for r in first.history]
+    assert not (png.parent / "lengths.png").exists(), "no run evaluated at other lengths yet"
+    assert main(["synth", "eval", str(a), "--lengths", "64", "16", "--sequences", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["synth", "plot", str(a), str(b), "--out", str(png.parent), "--label", "Hawk", "--label", "MQA"]) == 0
+    out = capsys.readouterr().out
+    evaluated = json.loads((a / "lengths.json").read_text())["lengths"]
+    want = ", ".join(f"{r['accuracy']:.3f} at {r['length']:,}" for r in sorted(evaluated, key=lambda r: r["length"]))
+    assert f"Hawk: {want}" in out and "MQA: " not in out.split("accuracy.png")[-1]
+    assert (png.parent / "lengths.png").stat().st_size > 0
     assert main(["synth", "plot", str(a), str(b), "--out", str(png.parent), "--label", "Hawk"]) == 2
     assert "1 --label for 2 run directories" in capsys.readouterr().err
     assert main(["synth", "plot", str(tmp_path), "--out", str(png.parent)]) == 2

@@ -170,7 +170,8 @@ def _horizons(model, task, length: int, sequences: int) -> dict[str, Any]:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from griffin.synth.plots import plot_accuracy, run_curve
+    from griffin.synth.evaluate import run_files
+    from griffin.synth.plots import plot_accuracy, plot_lengths, run_curve, run_lengths
 
     labels = args.label or [Path(d).name for d in args.dirs]
     if len(labels) != len(args.dirs):
@@ -184,6 +185,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
         print(f"{label}: {len(points)} evaluations to step {points[-1][0]:,}; last {points[-1][1]:.4f}, best "
               f"{best[1]:.4f} at step {best[0]:,}")
     print(f"wrote {out}")
+    lengths = {label: run_lengths(d) for label, d in zip(labels, args.dirs, strict=True)}
+    if any(lengths.values()):  # runs evaluated at other lengths (griffin synth eval DIR): Figure 6b's axes
+        trained = {run_files(d)[0].seq_len for d, points in zip(args.dirs, lengths.values(), strict=True) if points}
+        out = Path(args.out) / "lengths.png"
+        plot_lengths(lengths, out, args.title, train_length=trained.pop() if len(trained) == 1 else None)
+        for label, points in lengths.items():
+            if points:
+                print(f"{label}: " + ", ".join(f"{acc:.3f} at {n:,}" for n, acc in points))
+        print(f"wrote {out}")
     return 0
 
 
@@ -245,9 +255,10 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=cmd_eval)
 
     g = actions.add_parser("plot", help="held-out accuracy against training step of runs, finished or not, from their "
-                           "log.jsonl")
+                           "log.jsonl; and against the evaluation length of those evaluated (lengths.json)")
     g.add_argument("dirs", nargs="+", metavar="DIR", help="`griffin synth` run directories")
-    g.add_argument("--out", required=True, help="output directory (accuracy.png)")
+    g.add_argument("--out", required=True, help="output directory (accuracy.png; lengths.png if a DIR holds the "
+                                                "lengths.json of `griffin synth eval DIR`)")
     g.add_argument("--label", action="append", help="a run's name in the legend, one per DIR in order (default: "
                    "the directories' names)")
     g.add_argument("--title", default="held-out accuracy", help="the plot's title")

@@ -80,3 +80,14 @@ def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pat
     ax.grid(alpha=0.3)
     ax.legend()
     _save(plt, fig, path)
+
+
+def run_lengths(directory: str | Path) -> list[tuple[int, float]]:
+    """(evaluation length, accuracy) from a run's ``lengths.json`` (``griffin synth eval``); [] for a run not
+    evaluated at other lengths."""
+    import json
+
+    path = Path(directory) / "lengths.json"
+    if not path.is_file():
+        return []
+    return sorted((int(r["length"]), float(r["accuracy"])) for r in json.loads(path.read_text())["lengths"])
