@@ -177,9 +177,9 @@ def test_memory_horizons_are_the_inverse_mean_decay(gen):
         memory_horizons(tiny_model("mqa", gen), torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_memory_horizons_grow_with_a_gate_that_closes_on_a_token(gen):
-    """A channel whose recurrence gate closes (r_t -> 0, a_t -> 1) on most tokens keeps its state longer: its horizon
-    is the inverse of the decay averaged over the tokens seen."""
+def test_memory_horizons_grow_as_the_recurrence_gate_closes(gen):
+    """Every channel whose recurrence gate closes further (r_t smaller on every token, a_t closer to 1) keeps its
+    state longer, in every recurrent block."""
     from griffin.layers.rg_lru import RGLRU
     from griffin.synth.evaluate import memory_horizons
 

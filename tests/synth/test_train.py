@@ -114,7 +114,7 @@ def test_command_line_train_eval_compare(tmp_path, capsys):
     # --horizons is refused for a model without a recurrent block, before anything is evaluated or written
     files = {f: f.stat().st_mtime_ns for f in (cmp / "mqa").rglob("*")}
     assert main(["synth", "eval", str(cmp / "mqa"), "--lengths", "16", "--horizons", "32", "--no-progress"]) == 2
-    assert "an mqa model, without a recurrent block" in capsys.readouterr().err
+    assert "an mqa model without an RG-LRU" in capsys.readouterr().err
     assert {f: f.stat().st_mtime_ns for f in (cmp / "mqa").rglob("*")} == files
 
 

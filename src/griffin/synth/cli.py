@@ -128,8 +128,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, task = load_run(args.dir)
     if args.horizons:  # refused before the evaluation runs
         task.with_length(args.horizons)
-        if "recurrent" not in model.config.block_types:
-            raise ValueError(f"--horizons: {args.dir} is an {model.config.family} model, without a recurrent block")
+        if "recurrent" not in model.config.block_types or model.config.complex_lru:
+            raise ValueError(f"--horizons: {args.dir} is an {model.config.family} model without an RG-LRU "
+                             "(no recurrent block, or the complex CG-LRU)")
     results = evaluate_lengths(model, task, args.lengths, sequences=args.sequences, batch_size=args.eval_batch,
                                chunk_size=args.chunk_size, progress=args.progress, distance_bins=args.distance_bins)
     print(f"{model.config.family} on {task} (trained at {task.seq_len}):")
