@@ -17,6 +17,7 @@ final validation loss of each.
     python benchmarks/train_small.py                      # every case, about 10 minutes on 2 cores
     python benchmarks/train_small.py --main-job           # and the main job both ways (about 7 minutes more)
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
+    python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where the reference step's time goes
 
 Writes JSON (``--out``, default benchmarks/results/train_small.json).
 """
@@ -85,6 +86,25 @@ def rate(t: Trainer, steps: int) -> float:
     return steps * t.cfg.batch_size * t.cfg.seq_len / (time.perf_counter() - start)
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
+    """Shares of ``steps`` training steps' self CPU time (torch.profiler): griffin's fused RG-LRU (every operator
+    named ``*rg_lru*``: the kernels and their autograd nodes), the matmuls, and the eight operators that take the
+    most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t.train_step()
+    ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(ops.values())
+    return {"rg_lru": sum(v for k, v in ops.items() if "rg_lru" in k) / total,
+            "matmuls": sum(ops.get(k, 0) for k in MATMULS) / total,
+            "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
+
+
 def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()  # each case compiles a new model: no cache limit reached (past it dynamo runs eagerly)
     ref = trainer(case, root / f"{case.name}-ref", data, False, args.threads)
@@ -107,6 +127,8 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
         row[f"{key}_tokens_per_s"] = statistics.median(values)
         row[f"{key}_mfu"] = row[f"{key}_tokens_per_s"] * ref.flops_per_token / ref.peak_flops
     row["speedup"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
+    if args.profile:
+        row["reference_profile"] = profile_shares(ref, args.profile)
     return row
 
 
@@ -136,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     p.add_argument("--main-job", action="store_true", help="also train the README's main job to the end both ways")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N reference steps of each case: the shares of the RG-LRU kernels and matmuls")
     p.add_argument("--out", default="benchmarks/results/train_small.json", help="JSON result")
     args = p.parse_args(argv)
+    if args.profile < 0:
+        p.error(f"--profile={args.profile} must be at least 0")
     for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)} must be at least 1")
@@ -165,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                        ("fast MFU", "fast_mfu", ".1%"), ("compile s", "compile_s", ".0f")]))
     if rows:
         print(f"MFU against {rows[0]['peak_flops'] / 1e9:,.0f} GFLOP/s ({rows[0]['peak_source']})")
+    for row in rows:
+        if "reference_profile" in row:
+            prof = row["reference_profile"]
+            top = ", ".join(f"{name} {share:.1%}" for name, share in prof["top"])
+            print(f"{row['case']}, reference step: RG-LRU {prof['rg_lru']:.1%}, matmuls "
+                  f"{prof['matmuls']:.1%} of self CPU time; most: {top}")
     if job is not None:
         ref = job["reference"]
         print(f"main job (griffin train, {ref['steps']} steps): reference {ref['wall_s']:.0f} s to val loss"
