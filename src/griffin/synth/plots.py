@@ -21,6 +21,15 @@ def _figure():
     return plt, fig, ax
 
 
+def _legend(fig, ax, curves: int) -> None:
+    """Inside the axes for a few curves; to the right of them for more, where it would hide some."""
+    if curves <= 4:
+        ax.legend()
+        return
+    fig.set_size_inches(9.0, 4.0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
+
+
 def _save(plt, fig, path: Path) -> None:
     fig.tight_layout()
     atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
@@ -39,7 +48,7 @@ def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pa
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    _legend(fig, ax, len(curves))
     _save(plt, fig, path)
 
 
@@ -78,7 +87,7 @@ def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pat
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    _legend(fig, ax, len(curves))
     _save(plt, fig, path)
 
 
