@@ -37,6 +37,7 @@ import torch
 
 from griffin.synth import InductionHeads, SelectiveCopying, TaskSource
 from griffin.training import TrainConfig, Trainer
+from griffin.training.fast import native_bf16
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, progress, table, write_json  # noqa: E402
@@ -68,9 +69,10 @@ def make_task(case: Case):
     return SelectiveCopying(seq_len=case.seq_len, num_data=16)
 
 
-def trainer(case: Case, out: Path, data: Path | None, fast: bool, threads: int) -> Trainer:
+def trainer(case: Case, out: Path, data: Path | None, fast: bool, threads: int, precision: str = "fp32") -> Trainer:
     common = dict(seq_len=case.seq_len, batch_size=case.batch_size, max_steps=10**6, out=str(out), progress=False,
-                  tensorboard=False, sample_tokens=0, threads=threads, compile=fast, eval_interval=10**6)
+                  tensorboard=False, sample_tokens=0, threads=threads, compile=fast, eval_interval=10**6,
+                  precision=precision)
     if case.task is None:
         return Trainer(TrainConfig(preset=case.preset, data=str(data), **common))
     task = make_task(case)
@@ -108,16 +110,20 @@ def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
 def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()  # each case compiles a new model: no cache limit reached (past it dynamo runs eagerly)
     ref = trainer(case, root / f"{case.name}-ref", data, False, args.threads)
-    fast = trainer(case, root / f"{case.name}-fast", data, True, args.threads)
+    steps = {"reference": ref, "fast": trainer(case, root / f"{case.name}-fast", data, True, args.threads)}
+    if args.bf16:
+        steps["fast_bf16"] = trainer(case, root / f"{case.name}-fast-bf16", data, True, args.threads, "bf16")
     start = time.perf_counter()
-    fast._check_compiles()
+    steps["fast"]._check_compiles()
     compile_s = time.perf_counter() - start
-    for t in (ref, fast):
+    if args.bf16:
+        steps["fast_bf16"]._check_compiles()
+    for t in steps.values():
         rate(t, args.warmup)
-    rates: dict[str, list[float]] = {"reference": [], "fast": []}
+    rates: dict[str, list[float]] = {key: [] for key in steps}
     for _ in range(args.rounds):
-        rates["reference"].append(rate(ref, args.steps))
-        rates["fast"].append(rate(fast, args.steps))
+        for key, t in steps.items():
+            rates[key].append(rate(t, args.steps))
     row: dict[str, Any] = {"case": case.name, "preset": case.preset, "seq_len": case.seq_len,
                            "batch_size": case.batch_size, "task": case.task or "embedded corpus",
                            "parameters": ref.model.num_parameters(), "flops_per_token": ref.flops_per_token,
@@ -127,6 +133,8 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
         row[f"{key}_tokens_per_s"] = statistics.median(values)
         row[f"{key}_mfu"] = row[f"{key}_tokens_per_s"] * ref.flops_per_token / ref.peak_flops
     row["speedup"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
+    if args.bf16:  # MFU of the bf16 step against the fp32 peak too: the same yardstick for all three
+        row["bf16_speedup"] = row["fast_bf16_tokens_per_s"] / row["reference_tokens_per_s"]
     if args.profile:
         row["reference_profile"] = profile_shares(ref, args.profile)
     return row
@@ -158,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     p.add_argument("--main-job", action="store_true", help="also train the README's main job to the end both ways")
+    p.add_argument("--bf16", action="store_true",
+                   help="also the fast step under bf16 autocast (a CPU with a bf16 matmul: AVX-512-BF16 or AMX)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N reference steps of each case: the shares of the RG-LRU kernels and matmuls")
     p.add_argument("--out", default="benchmarks/results/train_small.json", help="JSON result")
@@ -167,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)} must be at least 1")
+    if args.bf16 and not native_bf16(torch.device("cpu")):
+        p.error("--bf16: this CPU has no native bf16 matmul (no AVX-512-BF16 or AMX): the compiled bf16 step is "
+                "refused here")
 
     rows, job = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("reference tok/s", "reference_tokens_per_s", ",.0f"),
                        ("fast tok/s", "fast_tokens_per_s", ",.0f"),
                        ("fast / reference", "speedup", ".2f"), ("reference MFU", "reference_mfu", ".1%"),
-                       ("fast MFU", "fast_mfu", ".1%"), ("compile s", "compile_s", ".0f")]))
+                       ("fast MFU", "fast_mfu", ".1%"), ("compile s", "compile_s", ".0f")]
+                + ([("fast bf16 tok/s", "fast_bf16_tokens_per_s", ",.0f"), ("bf16 / reference", "bf16_speedup", ".2f"),
+                    ("fast bf16 MFU", "fast_bf16_mfu", ".1%")] if args.bf16 else [])))
     if rows:
         print(f"MFU against {rows[0]['peak_flops'] / 1e9:,.0f} GFLOP/s ({rows[0]['peak_source']})")
     for row in rows:

@@ -7,15 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-
-def conv1d_keep_mask(reset: Tensor, shift: int, start: int) -> Tensor:
-    """For outputs t >= start: True where no document starts in (t - shift, t] (inside this chunk)."""
-    batch, T = reset.shape
-    keep = torch.ones(batch, T - start, dtype=torch.bool, device=reset.device)
-    for j in range(shift):  # a document starting at t - j hides x_{t-shift}
-        first = max(start, j)
-        keep[:, first - start :] &= ~reset[:, first - j : T - j]
-    return keep
+from griffin.ops.conv1d import causal_conv1d
 
 
 class CausalConv1D(nn.Module):
@@ -23,7 +15,8 @@ class CausalConv1D(nn.Module):
 
     ``w`` has shape (K, width); ``w[K-1]`` multiplies the current input. With ``reset`` (B, T), a term
     x_{t-s} is dropped when a document starts in (t-s, t], so no document sees the one before it.
-    The sum is accumulated over shifted slices, so no padded copy of the sequence is made.
+    The operator is :func:`griffin.ops.conv1d.causal_conv1d` (fused CPU kernels; the reference
+    :func:`griffin.ops.conv1d.conv1d_ref`).
     """
 
     def __init__(self, width: int, temporal_width: int = 4) -> None:
@@ -39,20 +32,7 @@ class CausalConv1D(nn.Module):
 
     def forward(self, x: Tensor, reset: Tensor | None = None, state: Tensor | None = None) -> Tensor:
         """x: (B, T, width). ``state``: optional (B, K-1, width) inputs that precede x (a cache)."""
-        K, T = self.temporal_width, x.shape[1]
-        if state is not None:
-            x = torch.cat([state.to(x.dtype), x], dim=1)
-        offset = x.shape[1] - T
-        out = x[:, offset:] * self.w[K - 1] + self.b
-        for s in range(1, K):
-            start = max(0, s - offset)  # first output with an input s steps back
-            if start >= T:
-                break
-            term = x[:, offset + start - s : offset + T - s] * self.w[K - 1 - s]
-            if reset is not None:
-                term = term * conv1d_keep_mask(reset, s, start)[..., None].to(term.dtype)
-            out[:, start:] += term
-        return out
+        return causal_conv1d(x, self.w, self.b, reset, state)
 
 
 def next_conv_state(state: Tensor, x: Tensor, reset: Tensor | None) -> Tensor:

@@ -1,0 +1,153 @@
+"""Fused CPU Conv1D of the recurrent block (Section 2.3): the forward reads x once and writes y once, the backward
+reads the output gradient and x once and writes the input gradient once, with the weight and bias gradients
+reduced per batch row without races.
+
+The reference (:func:`griffin.ops.conv1d.reference.conv1d_ref`) is a handful of element-wise operators over
+shifted slices; under torch.compile, Inductor fuses their backward with its neighbours' into loops that gather
+channel vectors element by element, which made the compiled training step slower than the eager one on an
+AVX-512 CPU (docs/performance.md). As custom operators the kernels stay opaque to the compiler, like the RG-LRU's.
+
+Document starts: an input x_u is dropped from output t when a document starts in (u, t]; the kernels keep the
+position p of the latest document start and use the shifts s <= t - p. Float32/bfloat16/float16 inputs are
+computed in float32, float64 in float64; the weight and bias gradients accumulate in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import prange
+from torch import Tensor
+
+from griffin.ops.jit import kernel, parallel_ready
+from griffin.ops.scan.cpu import channel_chunk
+from griffin.ops.scan.reference import accumulation_dtype
+
+
+@kernel(parallel=True, fastmath=False)
+def _forward_kernel(x, w, b, reset, offset, chunk, y):
+    """y[n, t] = b + w[K-1] x[n, offset+t] + sum_{s=1}^{K-1} w[K-1-s] x[n, offset+t-s] over the kept shifts."""
+    batch, steps, dim = y.shape
+    K = w.shape[0]
+    n_chunks = -(-dim // chunk)
+    for task in prange(batch * n_chunks):
+        n = task // n_chunks
+        lo = (task % n_chunks) * chunk
+        hi = min(lo + chunk, dim)
+        p = 0  # the latest document start, in x's positions (x[:, :offset] is the state before the chunk)
+        for t in range(steps):
+            if reset[n, t]:
+                p = offset + t
+            u = offset + t
+            yt, xu, wl = y[n, t], x[n, u], w[K - 1]
+            for j in range(lo, hi):
+                yt[j] = xu[j] * wl[j] + b[j]
+            for s in range(1, min(K - 1, u - p) + 1):
+                xs, ws = x[n, u - s], w[K - 1 - s]
+                for j in range(lo, hi):
+                    yt[j] += xs[j] * ws[j]
+
+
+@kernel(parallel=True, fastmath=False)
+def _backward_kernel(x, w, reset, offset, g, chunk, dx, dw, db):
+    """dx (zeroed, like x), and per batch row dw (B, K, width) and db (B, width) (zeroed, float64)."""
+    batch, steps, dim = g.shape
+    K = w.shape[0]
+    n_chunks = -(-dim // chunk)
+    for task in prange(batch * n_chunks):
+        n = task // n_chunks
+        lo = (task % n_chunks) * chunk
+        hi = min(lo + chunk, dim)
+        p = 0
+        for t in range(steps):
+            if reset[n, t]:
+                p = offset + t
+            u = offset + t
+            gt = g[n, t]
+            dbn = db[n]
+            for s in range(0, min(K - 1, u - p) + 1):
+                xs, ws, dxs, dws = x[n, u - s], w[K - 1 - s], dx[n, u - s], dw[n, K - 1 - s]
+                for j in range(lo, hi):
+                    dws[j] += gt[j] * xs[j]
+                    dxs[j] += gt[j] * ws[j]
+            for j in range(lo, hi):
+                dbn[j] += gt[j]
+
+
+def _prep(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.detach().to(dtype).contiguous()
+
+
+def _reset(reset: Tensor | None, batch: int, steps: int) -> Tensor:
+    return torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.contiguous()
+
+
+def _out_dtype(x: Tensor, w: Tensor, b: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, w.dtype), b.dtype)
+
+
+@torch.library.custom_op("griffin::conv1d_cpu_fwd", mutates_args=(), device_types="cpu")
+def conv1d_cpu_fwd(x: Tensor, w: Tensor, b: Tensor, reset: Tensor | None, offset: int) -> Tensor:
+    """y (B, T, width) over x (B, offset + T, width) whose first ``offset`` steps are the state before the chunk."""
+    dtype = _out_dtype(x, w, b)
+    acc = accumulation_dtype(dtype)
+    batch, steps, dim = x.shape[0], x.shape[1] - offset, x.shape[2]
+    xs, ws, bs = (_prep(t, acc) for t in (x, w, b))
+    y = torch.empty(batch, steps, dim, dtype=acc)
+    parallel_ready()
+    _forward_kernel(xs.numpy(), ws.numpy(), bs.numpy(), _reset(reset, batch, steps).numpy(), offset,
+                    channel_chunk(batch, dim), y.numpy())
+    return y.to(dtype)
+
+
+@conv1d_cpu_fwd.register_fake
+def _(x, w, b, reset, offset):
+    return x.new_empty(x.shape[0], x.shape[1] - offset, x.shape[2], dtype=_out_dtype(x, w, b))
+
+
+@torch.library.custom_op("griffin::conv1d_cpu_bwd", mutates_args=(), device_types="cpu")
+def conv1d_cpu_bwd(x: Tensor, w: Tensor, reset: Tensor | None, offset: int, grad_y: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients for x (with its state steps), w and b (float64 sums over the batch and time)."""
+    acc = accumulation_dtype(grad_y.dtype)
+    batch, steps, dim = grad_y.shape
+    xs, ws, g = _prep(x, acc), _prep(w, acc), _prep(grad_y, acc)
+    dx = torch.zeros_like(xs)
+    dw = torch.zeros(batch, w.shape[0], dim, dtype=torch.float64)
+    db = torch.zeros(batch, dim, dtype=torch.float64)
+    parallel_ready()
+    _backward_kernel(xs.numpy(), ws.numpy(), _reset(reset, batch, steps).numpy(), offset, g.numpy(),
+                     channel_chunk(batch, dim), dx.numpy(), dw.numpy(), db.numpy())
+    return dx, dw.sum(0), db.sum(0)
+
+
+@conv1d_cpu_bwd.register_fake
+def _(x, w, reset, offset, grad_y):
+    acc = accumulation_dtype(grad_y.dtype)
+    return (x.new_empty(x.shape, dtype=acc), w.new_empty(w.shape, dtype=torch.float64),
+            w.new_empty(w.shape[1], dtype=torch.float64))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, b, reset, offset = inputs
+    ctx.offset, ctx.b_dtype = offset, b.dtype
+    ctx.save_for_backward(x, w, reset)
+
+
+def _backward(ctx, grad_y: Tensor):
+    x, w, reset = ctx.saved_tensors
+    dx, dw, db = conv1d_cpu_bwd(x, w, reset, ctx.offset, grad_y)
+    return dx.to(x.dtype), dw.to(w.dtype), db.to(ctx.b_dtype), None, None
+
+
+conv1d_cpu_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def conv1d_cpu(x: Tensor, w: Tensor, b: Tensor, reset: Tensor | None = None, state: Tensor | None = None) -> Tensor:
+    """The fused Conv1D on CPU tensors; same contract as :func:`griffin.ops.conv1d.reference.conv1d_ref`."""
+    offset = 0
+    if state is not None:
+        x, offset = torch.cat([state.to(x.dtype), x], dim=1), state.shape[1]
+    return conv1d_cpu_fwd(x, w, b, reset, offset)
+
+
+__all__ = ["conv1d_cpu", "conv1d_cpu_bwd", "conv1d_cpu_fwd"]
