@@ -299,3 +299,12 @@ def test_plot_draws_the_curves_of_runs_from_their_logs(tmp_path, capsys):
     assert "1 --label for 2 run directories" in capsys.readouterr().err
     assert main(["synth", "plot", str(tmp_path), "--out", str(png.parent)]) == 2
     assert "holds no log.jsonl" in capsys.readouterr().err
+    # a checkpoint: the run's curve to its step, its own evaluation at other lengths
+    ckpt = a / "checkpoints" / "step_00000002"
+    assert run_curve(ckpt) == [(r["step"], r["accuracy"]) for r in first.history if r["step"] <= 2]
+    assert main(["synth", "eval", str(ckpt), "--lengths", "32", "--sequences", "2", "--no-progress"]) == 0
+    assert main(["synth", "plot", str(ckpt), str(a), "--out", str(png.parent), "--label", "step 2",
+                 "--label", "step 4"]) == 0
+    out = capsys.readouterr().out
+    at_32 = json.loads((ckpt / "lengths.json").read_text())["lengths"][0]["accuracy"]
+    assert "step 2: 2 evaluations to step 2" in out and f"step 2: {at_32:.3f} at 32" in out

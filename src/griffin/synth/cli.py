@@ -257,7 +257,8 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
 
     g = actions.add_parser("plot", help="held-out accuracy against training step of runs, finished or not, from their "
                            "log.jsonl; and against the evaluation length of those evaluated (lengths.json)")
-    g.add_argument("dirs", nargs="+", metavar="DIR", help="`griffin synth` run directories")
+    g.add_argument("dirs", nargs="+", metavar="DIR", help="`griffin synth` run directories, or their checkpoints "
+                   "(DIR/checkpoints/NAME: the run's curve to that step, and the checkpoint's own lengths.json)")
     g.add_argument("--out", required=True, help="output directory (accuracy.png; lengths.png if a DIR holds the "
                                                 "lengths.json of `griffin synth eval DIR`)")
     g.add_argument("--label", action="append", help="a run's name in the legend, one per DIR in order (default: "

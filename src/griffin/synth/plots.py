@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from griffin.io import atomic_write
+from griffin.training.checkpoint import TRAINER_STATE
 
 COLORS = {"mqa": "tab:blue", "hawk": "tab:orange", "griffin": "tab:green"}
 LABELS = {"mqa": "MQA Transformer", "hawk": "Hawk", "griffin": "Griffin"}
@@ -54,17 +55,25 @@ def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pa
 
 def run_curve(directory: str | Path) -> list[tuple[int, float]]:
     """(step, held-out accuracy) of every evaluation in a run's ``log.jsonl``, finished or not (a resumed run's
-    repeated steps: the last record of each)."""
+    repeated steps: the last record of each). For one of a run's checkpoints (``DIR/checkpoints/NAME``): the run's
+    evaluations up to the checkpoint's step."""
     import json
 
-    log = Path(directory) / "log.jsonl"
+    directory = Path(directory)
+    last = None
+    state = directory / TRAINER_STATE
+    if not (directory / "log.jsonl").is_file() and directory.parent.name == "checkpoints" and state.is_file():
+        last = int(json.loads(state.read_text())["step"])
+        directory = directory.parent.parent
+    log = directory / "log.jsonl"
     if not log.is_file():
-        raise FileNotFoundError(f"{directory} holds no log.jsonl: not a `griffin synth` run directory")
+        raise FileNotFoundError(f"{directory} holds no log.jsonl: not a `griffin synth` run directory or one of its "
+                                "checkpoints")
     points: dict[int, float] = {}
     for line in log.read_text().splitlines():
         if line.endswith("}"):  # a line cut short by a killed run is skipped
             record = json.loads(line)
-            if record.get("kind") == "eval" and "accuracy" in record:
+            if record.get("kind") == "eval" and "accuracy" in record and (last is None or record["step"] <= last):
                 points[int(record["step"])] = float(record["accuracy"])
     if not points:
         raise ValueError(f"{log} has no evaluation yet")
