@@ -18,6 +18,7 @@ final validation loss of each.
     python benchmarks/train_small.py --main-job           # and the main job both ways (about 7 minutes more)
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where the reference step's time goes
+    python benchmarks/train_small.py --bf16 --main-job    # and the fast step under bf16 autocast (AVX-512-BF16 or AMX)
 
 Writes JSON (``--out``, default benchmarks/results/train_small.json).
 """
@@ -140,19 +141,23 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
     return row
 
 
-def main_job(root: Path, data: Path, threads: int) -> dict[str, Any]:
-    """The README's main job (``griffin train``'s defaults on the embedded corpus) trained to the end both ways."""
+def main_job(root: Path, data: Path, threads: int, bf16: bool) -> dict[str, Any]:
+    """The README's main job (``griffin train``'s defaults on the embedded corpus) trained to the end both ways (and
+    with the fast step under bf16 autocast too, with ``bf16``)."""
     result = {}
-    for name, fast in (("reference", False), ("fast", True)):
+    ways = [("reference", False, "fp32"), ("fast", True, "fp32")] + ([("fast_bf16", True, "bf16")] if bf16 else [])
+    for name, fast, precision in ways:
         torch._dynamo.reset()
         cfg = TrainConfig(data=str(data), out=str(root / f"main-{name}"), progress=False, tensorboard=False,
-                          threads=threads, compile=fast)
+                          threads=threads, compile=fast, precision=precision)
         start = time.perf_counter()
         run = Trainer(cfg).run()
         result[name] = {"wall_s": time.perf_counter() - start, "val_loss": run.val_loss, "steps": run.step,
                         "tokens_per_s": run.tokens_per_s}
-    result["speedup"] = result["reference"]["wall_s"] / result["fast"]["wall_s"]
-    result["val_loss_difference"] = result["fast"]["val_loss"] - result["reference"]["val_loss"]
+    for name in [w[0] for w in ways[1:]]:
+        suffix = name.removeprefix("fast")
+        result[f"speedup{suffix}"] = result["reference"]["wall_s"] / result[name]["wall_s"]
+        result[f"val_loss_difference{suffix}"] = result[name]["val_loss"] - result["reference"]["val_loss"]
     return result
 
 
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
         bar.close()
         if args.main_job:
-            job = main_job(root, data, args.threads)
+            job = main_job(root, data, args.threads, args.bf16)
 
     print(table(rows, [("case", "case", "s"), ("parameters", "parameters", ",d"),
                        ("reference tok/s", "reference_tokens_per_s", ",.0f"),
@@ -217,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"main job (griffin train, {ref['steps']} steps): reference {ref['wall_s']:.0f} s to val loss"
               f" {ref['val_loss']:.4f}, fast {job['fast']['wall_s']:.0f} s to "
               f"{job['fast']['val_loss']:.4f}: {job['speedup']:.2f}x")
+        if "fast_bf16" in job:
+            print(f"main job, fast step in bf16: {job['fast_bf16']['wall_s']:.0f} s to val loss "
+                  f"{job['fast_bf16']['val_loss']:.4f}: {job['speedup_bf16']:.2f}x")
     write_json(args.out, {"machine": machine_info(torch.device("cpu")), "args": vars(args), "cases": rows,
                             "main_job": job})
     return 0

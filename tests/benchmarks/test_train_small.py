@@ -1,0 +1,31 @@
+"""``benchmarks/train_small.py``: the side-by-side timing of the reference, compiled and bf16 steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.benchmarks.test_inference_benchmark import load_benchmark
+
+
+def test_bf16_is_refused_up_front_on_a_cpu_without_a_bf16_matmul(monkeypatch, capsys):
+    bench = load_benchmark("train_small")
+    monkeypatch.setattr(bench, "native_bf16", lambda device: False)
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "hawk-256x16", "--bf16"])
+    assert "--bf16: this CPU has no native bf16 matmul" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_step_is_timed_side_by_side(tmp_path):
+    bench = load_benchmark("train_small")
+    out = tmp_path / "small.json"
+    bf16 = ["--bf16"] if bench.native_bf16(bench.torch.device("cpu")) else []
+    assert bench.main(["--cases", "hawk-256x16", "--rounds", "1", "--steps", "1", "--warmup", "1", *bf16,
+                       "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["cases"][0]
+    keys = ["reference", "fast"] + (["fast_bf16"] if bf16 else [])
+    assert sorted(row["rounds"]) == sorted(keys)
+    assert all(row[f"{k}_tokens_per_s"] > 0 for k in keys)
+    assert row["speedup"] == pytest.approx(row["fast_tokens_per_s"] / row["reference_tokens_per_s"])
