@@ -50,6 +50,15 @@ def test_float32_forward_is_the_references_to_the_bit(gen):
     assert conv1d_cpu(x.bfloat16(), w, b).dtype == torch.float32  # promoted as x * w + b would be
 
 
+def test_the_weights_storage_stays_resizable(gen):
+    """FSDP2 frees a gathered parameter by resizing its storage to 0 after the forward: the kernels must not take
+    the parameters' own storage through .numpy() (which makes it unresizable)."""
+    x, w, b, reset, _ = inputs(gen, 2, 9, 5, 4, torch.float32)
+    conv1d_cpu(x, w, b, reset).sum().backward()
+    for p in (w, b):
+        p.untyped_storage().resize_(0)
+
+
 def test_gradcheck(gen):
     x, w, b, reset, state = inputs(gen, 2, 8, 3, 4, torch.float64, 2, p_reset=0.3)
     assert torch.autograd.gradcheck(lambda *a: conv1d_cpu(*a[:3], reset, a[3]), (x, w, b, state))

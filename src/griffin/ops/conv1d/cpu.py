@@ -73,8 +73,10 @@ def _backward_kernel(x, w, reset, offset, g, chunk, dx, dw, db):
                 dbn[j] += gt[j]
 
 
-def _prep(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t.detach().to(dtype).contiguous()
+def _prep(t: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
+    """The array a kernel reads. The weights are copied (``copy``): numba reads tensors through ``.numpy()``, which
+    makes their storage unresizable for good, and FSDP frees a gathered parameter's storage by resizing it."""
+    return t.detach().to(dtype, copy=copy).contiguous()
 
 
 def _reset(reset: Tensor | None, batch: int, steps: int) -> Tensor:
@@ -91,7 +93,7 @@ def conv1d_cpu_fwd(x: Tensor, w: Tensor, b: Tensor, reset: Tensor | None, offset
     dtype = _out_dtype(x, w, b)
     acc = accumulation_dtype(dtype)
     batch, steps, dim = x.shape[0], x.shape[1] - offset, x.shape[2]
-    xs, ws, bs = (_prep(t, acc) for t in (x, w, b))
+    xs, ws, bs = _prep(x, acc), _prep(w, acc, copy=True), _prep(b, acc, copy=True)
     y = torch.empty(batch, steps, dim, dtype=acc)
     parallel_ready()
     _forward_kernel(xs.numpy(), ws.numpy(), bs.numpy(), _reset(reset, batch, steps).numpy(), offset,
@@ -110,7 +112,7 @@ def conv1d_cpu_bwd(x: Tensor, w: Tensor, reset: Tensor | None, offset: int, grad
     """Gradients for x (with its state steps), w and b (float64 sums over the batch and time)."""
     acc = accumulation_dtype(grad_y.dtype)
     batch, steps, dim = grad_y.shape
-    xs, ws, g = _prep(x, acc), _prep(w, acc), _prep(grad_y, acc)
+    xs, ws, g = _prep(x, acc), _prep(w, acc, copy=True), _prep(grad_y, acc)
     dx = torch.zeros_like(xs)
     dw = torch.zeros(batch, w.shape[0], dim, dtype=torch.float64)
     db = torch.zeros(batch, dim, dtype=torch.float64)
