@@ -7,8 +7,8 @@ shifted slices; under torch.compile, Inductor fuses their backward with its neig
 channel vectors element by element, which made the compiled training step slower than the eager one on an
 AVX-512 CPU (docs/performance.md). As custom operators the kernels stay opaque to the compiler, like the RG-LRU's.
 
-Document starts: an input x_u is dropped from output t when a document starts in (u, t]; the kernels keep the
-position p of the latest document start and use the shifts s <= t - p. Float32/bfloat16/float16 inputs are
+Document starts: an input x_u is dropped from output t when a document starts in (u, t]; :func:`kept_shifts` gives
+each output the number of earlier inputs it sees, the kernels use those shifts. Float32/bfloat16/float16 inputs are
 computed in float32, float64 in float64; the weight and bias gradients accumulate in float64.
 """
 
@@ -24,47 +24,38 @@ from griffin.ops.scan.reference import accumulation_dtype
 
 
 @kernel(parallel=True, fastmath=False)
-def _forward_kernel(x, w, b, reset, offset, chunk, y):
-    """y[n, t] = b + w[K-1] x[n, offset+t] + sum_{s=1}^{K-1} w[K-1-s] x[n, offset+t-s] over the kept shifts."""
+def _forward_kernel(x, w, b, kept, offset, chunk, y):
+    """y[n, t] = b + w[K-1] x[n, offset+t] + sum_{s=1}^{kept[n, t]} w[K-1-s] x[n, offset+t-s]."""
     batch, steps, dim = y.shape
     K = w.shape[0]
     n_chunks = -(-dim // chunk)
     for task in prange(batch * n_chunks):
-        n = task // n_chunks
-        lo = (task % n_chunks) * chunk
+        n, lo = task // n_chunks, (task % n_chunks) * chunk
         hi = min(lo + chunk, dim)
-        p = 0  # the latest document start, in x's positions (x[:, :offset] is the state before the chunk)
         for t in range(steps):
-            if reset[n, t]:
-                p = offset + t
             u = offset + t
             yt, xu, wl = y[n, t], x[n, u], w[K - 1]
             for j in range(lo, hi):
                 yt[j] = xu[j] * wl[j] + b[j]
-            for s in range(1, min(K - 1, u - p) + 1):
+            for s in range(1, kept[n, t] + 1):
                 xs, ws = x[n, u - s], w[K - 1 - s]
                 for j in range(lo, hi):
                     yt[j] += xs[j] * ws[j]
 
 
 @kernel(parallel=True, fastmath=False)
-def _backward_kernel(x, w, reset, offset, g, chunk, dx, dw, db):
+def _backward_kernel(x, w, kept, offset, g, chunk, dx, dw, db):
     """dx (zeroed, like x), and per batch row dw (B, K, width) and db (B, width) (zeroed, float64)."""
     batch, steps, dim = g.shape
     K = w.shape[0]
     n_chunks = -(-dim // chunk)
     for task in prange(batch * n_chunks):
-        n = task // n_chunks
-        lo = (task % n_chunks) * chunk
+        n, lo = task // n_chunks, (task % n_chunks) * chunk
         hi = min(lo + chunk, dim)
-        p = 0
         for t in range(steps):
-            if reset[n, t]:
-                p = offset + t
             u = offset + t
-            gt = g[n, t]
-            dbn = db[n]
-            for s in range(0, min(K - 1, u - p) + 1):
+            gt, dbn = g[n, t], db[n]
+            for s in range(0, kept[n, t] + 1):
                 xs, ws, dxs, dws = x[n, u - s], w[K - 1 - s], dx[n, u - s], dw[n, K - 1 - s]
                 for j in range(lo, hi):
                     dws[j] += gt[j] * xs[j]
@@ -73,14 +64,20 @@ def _backward_kernel(x, w, reset, offset, g, chunk, dx, dw, db):
                 dbn[j] += gt[j]
 
 
+def kept_shifts(reset: Tensor | None, batch: int, steps: int, offset: int, width: int) -> Tensor:
+    """(B, T) int64: how many inputs before x[n, offset + t] output t sees, at most ``width - 1``: those at or after
+    the latest document start (the state's ``offset`` steps before the chunk count while no document starts)."""
+    u = torch.arange(offset, offset + steps).expand(batch, steps)
+    start = torch.zeros(batch, steps, dtype=torch.int64)
+    if reset is not None:
+        start = torch.cummax(torch.where(reset, u, 0), dim=1).values
+    return (u - start).clamp(max=width - 1).contiguous()
+
+
 def _prep(t: Tensor, dtype: torch.dtype, copy: bool = False) -> Tensor:
     """The array a kernel reads. The weights are copied (``copy``): numba reads tensors through ``.numpy()``, which
     makes their storage unresizable for good, and FSDP frees a gathered parameter's storage by resizing it."""
     return t.detach().to(dtype, copy=copy).contiguous()
-
-
-def _reset(reset: Tensor | None, batch: int, steps: int) -> Tensor:
-    return torch.zeros(batch, steps, dtype=torch.bool) if reset is None else reset.contiguous()
 
 
 def _out_dtype(x: Tensor, w: Tensor, b: Tensor) -> torch.dtype:
@@ -96,8 +93,8 @@ def conv1d_cpu_fwd(x: Tensor, w: Tensor, b: Tensor, reset: Tensor | None, offset
     xs, ws, bs = _prep(x, acc), _prep(w, acc, copy=True), _prep(b, acc, copy=True)
     y = torch.empty(batch, steps, dim, dtype=acc)
     parallel_ready()
-    _forward_kernel(xs.numpy(), ws.numpy(), bs.numpy(), _reset(reset, batch, steps).numpy(), offset,
-                    channel_chunk(batch, dim), y.numpy())
+    kept = kept_shifts(reset, batch, steps, offset, w.shape[0])
+    _forward_kernel(xs.numpy(), ws.numpy(), bs.numpy(), kept.numpy(), offset, channel_chunk(batch, dim), y.numpy())
     return y.to(dtype)
 
 
@@ -117,8 +114,9 @@ def conv1d_cpu_bwd(x: Tensor, w: Tensor, reset: Tensor | None, offset: int, grad
     dw = torch.zeros(batch, w.shape[0], dim, dtype=torch.float64)
     db = torch.zeros(batch, dim, dtype=torch.float64)
     parallel_ready()
-    _backward_kernel(xs.numpy(), ws.numpy(), _reset(reset, batch, steps).numpy(), offset, g.numpy(),
-                     channel_chunk(batch, dim), dx.numpy(), dw.numpy(), db.numpy())
+    kept = kept_shifts(reset, batch, steps, offset, w.shape[0])
+    _backward_kernel(xs.numpy(), ws.numpy(), kept.numpy(), offset, g.numpy(), channel_chunk(batch, dim), dx.numpy(),
+                     dw.numpy(), db.numpy())
     return dx, dw.sum(0), db.sum(0)
 
 
