@@ -12,7 +12,7 @@ import os
 import torch
 from torch import Tensor
 
-from griffin.ops.conv1d.reference import check_conv1d_inputs, conv1d_keep_mask, conv1d_ref
+from griffin.ops.conv1d.reference import check_conv1d_inputs, conv1d_ref
 
 BACKENDS = ("cpu", "ref")
 _ENV_VAR = "GRIFFIN_CONV1D_BACKEND"
@@ -44,4 +44,4 @@ def _default_backend(x: Tensor, w: Tensor, b: Tensor) -> str:
     return "cpu" if on_cpu and x.shape[1] > 1 else "ref"
 
 
-__all__ = ["BACKENDS", "causal_conv1d", "check_conv1d_inputs", "conv1d_keep_mask", "conv1d_ref"]
+__all__ = ["BACKENDS", "causal_conv1d", "check_conv1d_inputs", "conv1d_ref"]
