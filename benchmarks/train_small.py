@@ -132,9 +132,10 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
                            "rounds": rates}
     for key, values in rates.items():
         row[f"{key}_tokens_per_s"] = statistics.median(values)
+        # against the fp32 peak for every step, the bf16 one too: the same yardstick for all
         row[f"{key}_mfu"] = row[f"{key}_tokens_per_s"] * ref.flops_per_token / ref.peak_flops
     row["speedup"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
-    if args.bf16:  # MFU of the bf16 step against the fp32 peak too: the same yardstick for all three
+    if args.bf16:
         row["bf16_speedup"] = row["fast_bf16_tokens_per_s"] / row["reference_tokens_per_s"]
     if args.profile:
         row["reference_profile"] = profile_shares(ref, args.profile)

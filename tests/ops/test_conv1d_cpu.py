@@ -13,7 +13,7 @@ def inputs(gen, B, T, D, K, dtype, state_len=0, p_reset=0.15):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dt).requires_grad_()
 
     x = draw(B, T, D, dt=dtype)
-    w, b = draw(K, D, dt=torch.float64 if dtype == torch.float64 else torch.float32), None
+    w = draw(K, D, dt=torch.float64 if dtype == torch.float64 else torch.float32)
     b = draw(D, dt=w.dtype)
     state = draw(B, state_len, D, dt=dtype) if state_len else None
     reset = torch.rand(B, T, generator=gen) < p_reset

@@ -221,11 +221,18 @@ def memory_horizons(model: CausalLM, input_ids: Tensor) -> list[Tensor]:
     return [1.0 / -a.log().mean(dim=(0, 1)) for a in decays]
 
 
+def run_root(directory: str | Path) -> Path:
+    """The run directory of a ``griffin synth`` run directory (itself) or of one of its checkpoints
+    (``DIR/checkpoints/NAME``: ``DIR``)."""
+    directory = Path(directory)
+    return directory if (directory / TASK_FILE).is_file() else directory.parent.parent
+
+
 def run_files(directory: str | Path) -> tuple[Task, Path]:
     """The task (``task.json``) and the directory of the model of a ``griffin synth`` run: the run's final model
     (``DIR``), or one of its checkpoints (``DIR/checkpoints/NAME``, e.g. of a run still training or stopped)."""
     directory = Path(directory)
-    run = directory if (directory / TASK_FILE).is_file() else directory.parent.parent
+    run = run_root(directory)
     spec = run / TASK_FILE
     if not spec.is_file():
         raise FileNotFoundError(f"{directory} holds no {TASK_FILE}: not a `griffin synth` run directory or one of "

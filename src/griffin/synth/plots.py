@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from griffin.io import atomic_write
+from griffin.synth.evaluate import run_root
 from griffin.training.checkpoint import TRAINER_STATE
 
 COLORS = {"mqa": "tab:blue", "hawk": "tab:orange", "griffin": "tab:green"}
@@ -59,12 +60,10 @@ def run_curve(directory: str | Path) -> list[tuple[int, float]]:
     evaluations up to the checkpoint's step."""
     import json
 
-    directory = Path(directory)
-    last = None
-    state = directory / TRAINER_STATE
-    if not (directory / "log.jsonl").is_file() and directory.parent.name == "checkpoints" and state.is_file():
-        last = int(json.loads(state.read_text())["step"])
-        directory = directory.parent.parent
+    directory, last = Path(directory), None
+    if run_root(directory) != directory and (directory / TRAINER_STATE).is_file():  # a checkpoint: to its step
+        last = int(json.loads((directory / TRAINER_STATE).read_text())["step"])
+        directory = run_root(directory)
     log = directory / "log.jsonl"
     if not log.is_file():
         raise FileNotFoundError(f"{directory} holds no log.jsonl: not a `griffin synth` run directory or one of its "
