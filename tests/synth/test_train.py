@@ -308,3 +308,22 @@ def test_plot_draws_the_curves_of_runs_from_their_logs(tmp_path, capsys):
     out = capsys.readouterr().out
     at_32 = json.loads((ckpt / "lengths.json").read_text())["lengths"][0]["accuracy"]
     assert "step 2: 2 evaluations to step 2" in out and f"step 2: {at_32:.3f} at 32" in out
+
+
+def test_precision_bf16_trains_under_autocast_and_a_compiled_bf16_step_is_refused_without_it(tmp_path, capsys,
+                                                                                               monkeypatch, gen):
+    task, seed = TASKS["induction_heads"], seed_of(gen)
+    fp32 = train_task(task, "hawk", tmp_path / "fp32", seed=seed, **QUICK)
+    bf16 = train_task(task, "hawk", tmp_path / "bf16", seed=seed, precision="bf16", **QUICK)
+    assert bf16.options["precision"] == "bf16" and bf16.config["precision"] == "bf16"
+    assert fp32.options["precision"] == "auto"
+    assert [r["val_loss"] for r in bf16.history] != [r["val_loss"] for r in fp32.history]  # autocast did run
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        train_task(task, "hawk", tmp_path / "bad", precision="fp16", **QUICK)
+    monkeypatch.setattr("griffin.training.fast.native_bf16", lambda device: False)  # any host: as on an AVX2 CPU
+    args = ["synth", "induction-heads", "--family", "hawk", "--out", str(tmp_path / "cli"), "--seq-len", "20",
+            "--max-steps", "2", "--batch-size", "2", "--eval-sequences", "4", "--window", "8", "--no-progress",
+            "--no-tensorboard", "--compile", "--precision", "bf16"]
+    assert main(args) == 2
+    assert "no native bf16 matmul" in capsys.readouterr().err
+    assert not (tmp_path / "cli" / "checkpoints").exists()

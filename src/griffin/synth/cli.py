@@ -12,6 +12,7 @@ from typing import Any
 from griffin.arguments import renamed
 from griffin.config import FAMILIES
 from griffin.synth.tasks import TASKS, make_task
+from griffin.training.config import PRECISIONS
 
 DESCRIPTION = """Copy and retrieval tasks trained from scratch (Section 6.2, Figure 6a/6b, Appendix H).
 
@@ -64,6 +65,11 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    help="end a run at the first evaluation whose held-out accuracy is at least A (e.g. 0.99)")
     g.add_argument("--compile", action="store_true",
                    help="the trainer's compiled step (griffin train --compile; refused where it cannot compile)")
+    g.add_argument("--compile-fallback", action="store_true",
+                   help="where --compile cannot run, train the uncompiled step with a warning instead of refusing")
+    g.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="bf16: autocast (with --compile, refused on a CPU without a bf16 matmul); auto: bf16 on CUDA "
+                        "where supported, else fp32 (griffin train --precision)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -92,7 +98,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                 weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                 eval_sequences=args.eval_sequences, window=args.window, model=model,
-                stop_accuracy=args.stop_accuracy, compile=args.compile, init=getattr(args, "init", None))
+                stop_accuracy=args.stop_accuracy, compile=args.compile, precision=args.precision,
+                compile_fallback=args.compile_fallback, init=getattr(args, "init", None))
 
 
 def _stopped(stopped: Exception, hint: str) -> int:

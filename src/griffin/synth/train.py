@@ -25,6 +25,7 @@ from griffin.synth.plots import plot_accuracy
 from griffin.synth.source import TaskSource
 from griffin.synth.tasks import Task
 from griffin.training import StopRequest, TrainConfig, Trainer, TrainingStopped
+from griffin.training.config import PRECISIONS
 
 RESULT_FILE = "result.json"
 
@@ -72,12 +73,15 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
                     seed: int = 0, eval_every: int | None = None, eval_sequences: int | None = None,
                     window: int | None = None, warmup_steps: int | None = None, weight_decay: float = 0.1,
                     model: dict[str, Any] | None = None, stop_accuracy: float | None = None,
-                    compile: bool = False, init: str | None = None) -> dict[str, Any]:
+                    compile: bool = False, precision: str = "auto", compile_fallback: bool = False,
+                    init: str | None = None) -> dict[str, Any]:
     """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None.
     ``stop_accuracy``: end the run at the first evaluation whose held-out accuracy reaches it (None: train every
-    step); ``compile``: the trainer's compiled step (``griffin train --compile``); ``init``: start from the model of
-    another ``griffin synth`` run of the same task and family (e.g. trained at a shorter length) instead of a new
-    one."""
+    step); ``compile``: the trainer's compiled step (``griffin train --compile``); ``precision``: the trainer's
+    (``auto``, ``fp32`` or ``bf16`` autocast; ``griffin train --precision``); ``compile_fallback``: where the compiled
+    step cannot run, train the uncompiled one instead of refusing (``griffin train --compile-fallback``); ``init``:
+    start from the model of another ``griffin synth`` run of the same task and family (e.g. trained at a shorter
+    length) instead of a new one."""
     budget = BUDGETS[task.name]
     opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
                             "eval_sequences": eval_sequences}
@@ -96,11 +100,14 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
     if stop_accuracy is not None and (isinstance(stop_accuracy, bool) or not isinstance(stop_accuracy, (int, float))
                                       or not 0 < stop_accuracy <= 1):
         raise ValueError(f"stop_accuracy={stop_accuracy!r} must be a number in (0, 1]")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
     if init is not None and model:
         raise ValueError(f"model overrides {sorted(model)} with init={init!r}: a run started from another keeps its "
                          "model")
     opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}),
-                stop_accuracy=stop_accuracy, compile=bool(compile), init=None if init is None else str(init))
+                stop_accuracy=stop_accuracy, compile=bool(compile), precision=precision,
+                compile_fallback=bool(compile_fallback), init=None if init is None else str(init))
     return opts
 
 
@@ -157,7 +164,8 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
         lr=opts["lr"], warmup_steps=opts["warmup_steps"], weight_decay=opts["weight_decay"], eval_interval=eval_every,
         log_interval=min(10, eval_every), ckpt_interval=ckpt_every or max(eval_every, steps // 4), out=str(out),
         resume="auto" if resume else "", seed=opts["seed"], tensorboard=tensorboard, progress=progress, threads=threads,
-        sample_tokens=0, data=f"synthetic:{task.name}", compile=opts["compile"],
+        sample_tokens=0, data=f"synthetic:{task.name}", compile=opts["compile"], precision=opts["precision"],
+        compile_fallback=opts["compile_fallback"],
     )
     source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"])
     start = time.perf_counter()

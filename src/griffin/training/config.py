@@ -39,6 +39,8 @@ else:  # pragma: no cover
 
 INIT_OVERRIDES = ("attention_window",)
 """The ModelConfig fields a fine-tune (``--init``) may override: no weight depends on them."""
+PRECISIONS = ("auto", "fp32", "bf16")
+"""The trainer's compute precision (``TrainConfig.precision``)."""
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -100,7 +102,7 @@ class TrainConfig:
     # Hardware
     device: str = _opt("auto", "'auto' (CUDA if available), 'cpu', 'cuda', 'cuda:1', ...")
     precision: str = _opt("auto", "'auto' (bf16 autocast where supported on CUDA, else fp32), 'fp32' or 'bf16'",
-                          choices=("auto", "fp32", "bf16"))
+                          choices=PRECISIONS)
     compile: bool = _opt(False, "the fast step: torch.compile the model and update with the fused AdamW "
                                 "(griffin.training.fast); refused where it cannot run, see compile_fallback")
     compile_fallback: bool = _opt(False, "where --compile cannot run (the compiler fails on the model, bf16 on a CPU "
