@@ -130,7 +130,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from griffin.io import write_json
+    from griffin.synth.ablation import check_silenceable, silenced_prefix
     from griffin.synth.evaluate import evaluate_lengths, load_run
+    from griffin.synth.tasks import InductionHeads
 
     model, task = load_run(args.dir)
     if args.horizons:  # refused before the evaluation runs
@@ -138,26 +140,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if "recurrent" not in model.config.block_types or model.config.complex_lru:
             raise ValueError(f"--horizons: {args.dir} is an {model.config.family} model without an RG-LRU "
                              "(no recurrent block, or the complex CG-LRU)")
-    results = evaluate_lengths(model, task, args.lengths, sequences=args.sequences, batch_size=args.eval_batch,
-                               chunk_size=args.chunk_size, progress=args.progress, distance_bins=args.distance_bins)
+    if args.silence_prefix and task.name != "induction_heads":
+        raise ValueError(f"--silence-prefix: {args.dir} was trained on {task.name}; the prefix is that of an "
+                         "induction-heads sequence (before its trigger)")
+    if args.silence_prefix:
+        check_silenceable(model)
+    kwargs = dict(sequences=args.sequences, batch_size=args.eval_batch, chunk_size=args.chunk_size,
+                  progress=args.progress, distance_bins=args.distance_bins)
+    results = evaluate_lengths(model, task, args.lengths, **kwargs)
     print(f"{model.config.family} on {task} (trained at {task.seq_len}):")
-    print("| length | accuracy | perfect sequences | loss | seconds |\n|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['length']:,} | {r['accuracy']:.4f} | {r['perfect']:.4f} | {r['val_loss']:.4f} | "
-              f"{r['seconds']:.1f} |")
-    if args.distance_bins:
-        print("\naccuracy by recall distance (answers in the bin):\n| length | distance | answers | accuracy |\n"
-              "|---|---|---|---|")
-        for r in results:
-            for b in r["by_distance"]:
-                print(f"| {r['length']:,} | {b['from']:,}–{b['to'] - 1:,} | {b['answers']} | {b['accuracy']:.4f} |")
+    _print_lengths(results, args.distance_bins)
     record = {"task": task.to_dict(), "family": model.config.family, "lengths": results}
+    if args.silence_prefix:
+        with silenced_prefix(model, InductionHeads.TRIGGER):
+            record["silenced_prefix"] = evaluate_lengths(model, task, args.lengths, **kwargs)
+        print("\nthe same sequences, every RG-LRU's writes silenced before the first trigger (gates unchanged):")
+        _print_lengths(record["silenced_prefix"], args.distance_bins)
     if args.horizons:
         record["horizons"] = _horizons(model, task, args.horizons, min(args.sequences, args.eval_batch))
     out = Path(args.out or args.dir) / "lengths.json"
     write_json(out, record)
     print(f"wrote {out}")
     return 0
+
+
+def _print_lengths(results: list[dict[str, Any]], distance_bins: int) -> None:
+    print("| length | accuracy | perfect sequences | loss | seconds |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['length']:,} | {r['accuracy']:.4f} | {r['perfect']:.4f} | {r['val_loss']:.4f} | "
+              f"{r['seconds']:.1f} |")
+    if distance_bins:
+        print("\naccuracy by recall distance (answers in the bin):\n| length | distance | answers | accuracy |\n"
+              "|---|---|---|---|")
+        for r in results:
+            for b in r["by_distance"]:
+                print(f"| {r['length']:,} | {b['from']:,}–{b['to'] - 1:,} | {b['answers']} | {b['accuracy']:.4f} |")
 
 
 def _horizons(model, task, length: int, sequences: int) -> dict[str, Any]:
@@ -258,6 +275,9 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--horizons", type=int, default=0, metavar="N",
                    help="also each recurrent block's memory horizons (tokens after which an RG-LRU channel keeps "
                         "e^-1 of its state), measured on held-out sequences of length N (e.g. 4096)")
+    e.add_argument("--silence-prefix", action="store_true",
+                   help="induction heads: also evaluate with every RG-LRU's writes silenced before the first trigger "
+                        "(the gates unchanged): how much of what is lost at a length is the prefix written before it")
     e.add_argument("--out", help="directory of lengths.json (default: DIR)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     e.set_defaults(func=cmd_eval)

@@ -1,0 +1,81 @@
+"""`silenced_prefix`: the RG-LRU writes nothing before the trigger, so the prefix cannot reach what follows (beyond the
+Conv1D's reach), across the chunks of a cached forward as in one plain forward; the model is restored on exit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from griffin.cli import main
+from griffin.layers.rg_lru import RGLRU
+from griffin.synth import InductionHeads, train_task
+from griffin.synth.ablation import silenced_prefix
+from griffin.synth.evaluate import answer_logits, answer_logits_ref
+from tests.synth.test_evaluate import tiny_model
+
+TRIGGER = InductionHeads.TRIGGER
+
+
+def with_trigger(ids: torch.Tensor, at: list[int]) -> torch.Tensor:
+    ids = ids.clamp(min=1)  # no trigger elsewhere
+    ids[torch.arange(len(at)), torch.tensor(at)] = TRIGGER
+    return ids
+
+
+def test_a_silenced_prefix_does_not_reach_past_the_trigger(gen):
+    model = tiny_model("hawk", gen)
+    reach = model.config.conv1d_width - 1  # the Conv1D mixes the tokens just before the trigger into it
+    at = [30, 41]
+    a = with_trigger(torch.randint(0, 16, (2, 60), generator=gen), at)
+    b = a.clone()
+    for row, p in enumerate(at):  # another prefix, the same tokens from reach before the trigger on
+        b[row, : p - reach] = torch.randint(1, 16, (p - reach,), generator=gen)
+    with torch.no_grad():
+        plain = model(a), model(b)
+        with silenced_prefix(model, TRIGGER):
+            silenced = model(a), model(b)
+    for row, p in enumerate(at):
+        assert not torch.allclose(plain[0][row, p:], plain[1][row, p:], atol=1e-4)  # the prefix reaches on unsilenced
+        torch.testing.assert_close(silenced[0][row, p:], silenced[1][row, p:], rtol=0, atol=1e-5)
+        # before the trigger the state stays empty: the prefix's own outputs still depend on its tokens
+        assert not torch.allclose(silenced[0][row, : p - reach], silenced[1][row, : p - reach])
+
+
+@pytest.mark.parametrize("family", ["hawk", "griffin"])
+def test_the_chunked_forward_carries_the_silence_across_chunks(family, gen):
+    model = tiny_model(family, gen)
+    ids = with_trigger(torch.randint(0, 16, (3, 50), generator=gen), [3, 22, 45])  # in the first, third, last chunk
+    targets = torch.full_like(ids, -100)
+    targets[:, -1] = 5
+    with torch.no_grad():
+        plain = answer_logits_ref(model, ids, targets)
+        with silenced_prefix(model, TRIGGER):
+            ref = answer_logits_ref(model, ids, targets)
+            chunked = answer_logits(model, ids, targets, chunk_size=7)
+        restored = answer_logits(model, ids, targets, chunk_size=7)
+    torch.testing.assert_close(chunked, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref, plain, atol=1e-4)
+    torch.testing.assert_close(restored, plain, rtol=1e-5, atol=1e-5)  # restored on exit
+    assert sum(isinstance(m, RGLRU) for m in model.modules()) == model.config.block_types.count("recurrent")
+
+
+def test_refused_without_an_rg_lru(gen):
+    with pytest.raises(ValueError, match="mqa model has no RG-LRU"), silenced_prefix(tiny_model("mqa", gen), TRIGGER):
+        pass
+
+
+def test_command_line(tmp_path, capsys, gen):
+    quick = dict(steps=2, batch_size=2, eval_every=1, eval_sequences=4, progress=False, tensorboard=False, window=8)
+    train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "hawk", **quick)
+    args = ["synth", "eval", str(tmp_path / "hawk"), "--lengths", "16", "40", "--sequences", "4", "--no-progress",
+            "--distance-bins", "2", "--silence-prefix"]
+    assert main(args) == 0
+    assert "writes silenced before the first trigger" in capsys.readouterr().out
+    record = json.loads((tmp_path / "hawk" / "lengths.json").read_text())
+    assert [r["length"] for r in record["silenced_prefix"]] == [16, 40]
+    assert all(len(r["by_distance"]) == 2 for r in record["silenced_prefix"])
+    train_task(InductionHeads(seq_len=16), "mqa", tmp_path / "mqa", **quick)
+    assert main(["synth", "eval", str(tmp_path / "mqa"), "--lengths", "16", "--silence-prefix"]) == 2
+    assert "no RG-LRU" in capsys.readouterr().err
