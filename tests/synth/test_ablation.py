@@ -76,6 +76,7 @@ def test_command_line(tmp_path, capsys, gen):
     record = json.loads((tmp_path / "hawk" / "lengths.json").read_text())
     assert [r["length"] for r in record["silenced_prefix"]] == [16, 40]
     assert all(len(r["by_distance"]) == 2 for r in record["silenced_prefix"])
+    assert (tmp_path / "hawk" / "silenced_prefix.png").stat().st_size > 0
     train_task(InductionHeads(seq_len=16), "mqa", tmp_path / "mqa", **quick)
     assert main(["synth", "eval", str(tmp_path / "mqa"), "--lengths", "16", "--silence-prefix"]) == 2
     assert "no RG-LRU" in capsys.readouterr().err

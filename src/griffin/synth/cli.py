@@ -132,6 +132,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from griffin.io import write_json
     from griffin.synth.ablation import check_silenceable, silenced_prefix
     from griffin.synth.evaluate import evaluate_lengths, load_run
+    from griffin.synth.plots import plot_silenced_prefix
     from griffin.synth.tasks import InductionHeads
 
     model, task = load_run(args.dir)
@@ -156,6 +157,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             record["silenced_prefix"] = evaluate_lengths(model, task, args.lengths, **kwargs)
         print("\nthe same sequences, every RG-LRU's writes silenced before the first trigger (gates unchanged):")
         _print_lengths(record["silenced_prefix"], args.distance_bins)
+        if args.distance_bins:
+            figure = Path(args.out or args.dir) / "silenced_prefix.png"
+            plot_silenced_prefix(record, figure, f"{model.config.family}, trained at T = {task.seq_len}")
+            print(f"wrote {figure}")
     if args.horizons:
         record["horizons"] = _horizons(model, task, args.horizons, min(args.sequences, args.eval_batch))
     out = Path(args.out or args.dir) / "lengths.json"

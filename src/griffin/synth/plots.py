@@ -99,6 +99,28 @@ def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pat
     _save(plt, fig, path)
 
 
+def plot_silenced_prefix(record: dict, path: str | Path, title: str) -> None:
+    """Accuracy against the recall distance (the middle of each distance bin, log axis) at each evaluated length, as
+    trained (solid) and with the RG-LRU writes before the trigger silenced (dashed): ``griffin synth eval
+    --silence-prefix --distance-bins K``'s ``lengths.json`` record."""
+    plt, fig, ax = _figure()
+    pairs = zip(record["lengths"], record["silenced_prefix"], strict=True)
+    for i, (plain, silenced) in enumerate(pairs):
+        for r, style, what in ((plain, "o-", "as trained"), (silenced, "s--", "prefix silenced")):
+            points = [((b["from"] + b["to"] - 1) / 2, b["accuracy"]) for b in r["by_distance"] if b["answers"]]
+            if points:
+                ax.plot(*zip(*points, strict=True), style, ms=4, lw=1.5, color=f"C{i}",
+                        label=f"length {r['length']:,}, {what}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("recall distance (tokens from the answer to the final trigger)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    _legend(fig, ax, 2 * len(record["lengths"]))
+    _save(plt, fig, path)
+
+
 def run_lengths(directory: str | Path) -> list[tuple[int, float]]:
     """(evaluation length, accuracy) from a run's ``lengths.json`` (``griffin synth eval``); [] for a run not
     evaluated at other lengths."""
