@@ -38,6 +38,19 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _finish(plt, fig, ax, path: Path, xlabel: str, title: str, curves: int, log2: bool = False) -> None:
+    """The axes every plot here shares (held-out accuracy in [0, 1]), the legend, the file."""
+    if log2:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    _legend(fig, ax, curves)
+    _save(plt, fig, path)
+
+
 def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Path, title: str) -> None:
     """Accuracy on the held-out set against the training step, one line per family (Figure 6a)."""
     plt, fig, ax = _figure()
@@ -45,13 +58,7 @@ def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pa
         if points:
             steps, acc = zip(*points, strict=True)
             ax.plot(steps, acc, "o-", ms=3, lw=1.5, label=LABELS.get(name, name), color=COLORS.get(name))
-    ax.set_xlabel("training step")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax, len(curves))
-    _save(plt, fig, path)
+    _finish(plt, fig, ax, path, "training step", title, len(curves))
 
 
 def run_curve(directory: str | Path) -> list[tuple[int, float]]:
@@ -89,14 +96,7 @@ def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pat
             ax.plot(lengths, acc, "o-", ms=4, lw=1.5, label=LABELS.get(name, name), color=COLORS.get(name))
     if train_length:
         ax.axvline(train_length, ls="--", color="gray", lw=1, label=f"training length ({train_length})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation sequence length")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax, len(curves))
-    _save(plt, fig, path)
+    _finish(plt, fig, ax, path, "evaluation sequence length", title, len(curves), log2=True)
 
 
 def plot_silenced_prefix(record: dict, path: str | Path, title: str) -> None:
@@ -111,14 +111,8 @@ def plot_silenced_prefix(record: dict, path: str | Path, title: str) -> None:
             if points:
                 ax.plot(*zip(*points, strict=True), style, ms=4, lw=1.5, color=f"C{i}",
                         label=f"length {r['length']:,}, {what}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("recall distance (tokens from the answer to the final trigger)")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax, 2 * len(record["lengths"]))
-    _save(plt, fig, path)
+    _finish(plt, fig, ax, path, "recall distance (tokens from the answer to the final trigger)", title,
+            2 * len(record["lengths"]), log2=True)
 
 
 def run_lengths(directory: str | Path) -> list[tuple[int, float]]:
