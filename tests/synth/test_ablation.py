@@ -80,3 +80,13 @@ def test_command_line(tmp_path, capsys, gen):
     train_task(InductionHeads(seq_len=16), "mqa", tmp_path / "mqa", **quick)
     assert main(["synth", "eval", str(tmp_path / "mqa"), "--lengths", "16", "--silence-prefix"]) == 2
     assert "no RG-LRU" in capsys.readouterr().err
+
+
+def test_the_cache_may_be_passed_by_position(gen):
+    model = tiny_model("hawk", gen)
+    ids = with_trigger(torch.randint(0, 16, (2, 20), generator=gen), [3, 12])
+    with torch.no_grad(), silenced_prefix(model, TRIGGER):
+        whole = model(ids)
+        cache = model.init_cache(2, None)
+        parts = torch.cat([model(ids[:, :8], None, cache), model(ids[:, 8:], None, cache)], 1)
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)

@@ -75,9 +75,11 @@ def silenced_prefix(model: CausalLM, trigger: int) -> Iterator[CausalLM]:
     model is restored on exit. Refused for a model without an RG-LRU (MQA, or the complex CG-LRU)."""
     parents = _rg_lrus(model)
     prefix = _PrefixMask(trigger)
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefix.update(args[0] if args else kwargs["input_ids"], kwargs.get("cache")),
-        with_kwargs=True)
+
+    def see(module: nn.Module, args: tuple, kwargs: dict) -> None:  # CausalLM.forward(input_ids, positions, cache)
+        prefix.update(args[0] if args else kwargs["input_ids"], kwargs.get("cache", args[2] if len(args) > 2 else None))
+
+    hook = model.register_forward_pre_hook(see, with_kwargs=True)
     for parent, name, lru in parents:
         setattr(parent, name, _SilencedWrites(lru, prefix))
     try:
