@@ -10,7 +10,7 @@ import torch
 
 from griffin.cli import main
 from griffin.layers.rg_lru import RGLRU
-from griffin.synth import InductionHeads, train_task
+from griffin.synth import InductionHeads, SelectiveCopying, train_task
 from griffin.synth.ablation import silenced_prefix
 from griffin.synth.evaluate import answer_logits, answer_logits_ref
 from tests.synth.test_evaluate import tiny_model
@@ -80,6 +80,9 @@ def test_command_line(tmp_path, capsys, gen):
     train_task(InductionHeads(seq_len=16), "mqa", tmp_path / "mqa", **quick)
     assert main(["synth", "eval", str(tmp_path / "mqa"), "--lengths", "16", "--silence-prefix"]) == 2
     assert "no RG-LRU" in capsys.readouterr().err
+    train_task(SelectiveCopying(seq_len=24, num_data=4), "hawk", tmp_path / "copying", **quick)
+    assert main(["synth", "eval", str(tmp_path / "copying"), "--lengths", "24", "--silence-prefix"]) == 2
+    assert "was trained on selective_copying" in capsys.readouterr().err
 
 
 def test_the_cache_may_be_passed_by_position(gen):

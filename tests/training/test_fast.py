@@ -82,14 +82,14 @@ def test_a_compiler_failure_is_refused_before_any_update_unless_a_fallback_is_as
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.skipif(
     not native_bf16(torch.device("cpu")), reason="the compiled bf16 step is refused on a CPU without a bf16 matmul"))])
 def test_bf16_autocast_trains_as_fp32_within_a_stated_tolerance_for_200_steps(compile, tmp_path):
-    """bf16 autocast (matmuls in bf16, the RG-LRU, Conv1D and loss in fp32): every step's loss within 10% of the fp32
+    """bf16 autocast (matmuls in bf16, the RG-LRU, Conv1D and loss in fp32): every step's loss within 5% of the fp32
     run's, the last 20 steps' mean within 1% (measured on a Zen 4: 2.5% and 0.03% for the eager step)."""
     ref, _ = train_losses(config(tmp_path / "ref", "hawk"))
     got, trainer = train_losses(config(tmp_path / "bf16", "hawk", precision="bf16", compile=compile))
     assert trainer.autocast == torch.bfloat16
     assert got != ref  # the matmuls did run in bf16
     assert ref[-1] < ref[0] - 0.3
-    assert max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) < 0.1
+    assert max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) < 0.05
     last = sum(ref[-20:]) / 20
     assert abs(sum(got[-20:]) / 20 - last) / last < 0.01
 

@@ -141,10 +141,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if "recurrent" not in model.config.block_types or model.config.complex_lru:
             raise ValueError(f"--horizons: {args.dir} is an {model.config.family} model without an RG-LRU "
                              "(no recurrent block, or the complex CG-LRU)")
-    if args.silence_prefix and task.name != "induction_heads":
-        raise ValueError(f"--silence-prefix: {args.dir} was trained on {task.name}; the prefix is that of an "
-                         "induction-heads sequence (before its trigger)")
     if args.silence_prefix:
+        if task.name != "induction_heads":
+            raise ValueError(f"--silence-prefix: {args.dir} was trained on {task.name}; the prefix is that of an "
+                             "induction-heads sequence (before its trigger)")
         check_silenceable(model)
     kwargs = dict(sequences=args.sequences, batch_size=args.eval_batch, chunk_size=args.chunk_size,
                   progress=args.progress, distance_bins=args.distance_bins)
