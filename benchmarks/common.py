@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,6 +26,28 @@ from griffin.flops import cpu_name
 # The benchmarks run griffin's kernels as the griffin command does: idle OpenMP threads sleep (numba's runtime reads
 # this when its first parallel kernel runs; torch's read it when torch was imported, before this).
 griffin.threads.prefer_passive_openmp_wait()
+
+
+# Versions ----------------------------------------------------------------------------------------------------
+def git_source(rev: str, where: Path, root: Path | None = None) -> Path:
+    """The ``src`` tree of git revision ``rev`` of the repository at ``root`` (default: this one), extracted into
+    ``where`` (created): a worker process imports that version of griffin with ``PYTHONPATH`` set to the returned
+    path."""
+    root = root or Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "archive", rev, "src"], cwd=root, check=True, capture_output=True)
+    where.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where / "src"
+
+
+def short_rev(rev: str, root: Path | None = None) -> str:
+    """``git rev-parse --short rev`` (an error naming ``rev`` if the repository has no such revision)."""
+    root = root or Path(__file__).resolve().parents[1]
+    out = subprocess.run(["git", "rev-parse", "--verify", "--short", f"{rev}^{{commit}}"], cwd=root,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"no git revision {rev!r} in {root}: {out.stderr.strip()}")
+    return out.stdout.strip()
 
 
 # Machine -----------------------------------------------------------------------------------------------------

@@ -193,23 +193,15 @@ def main() -> None:
     if not args.base:
         parser.error("--base is required")
     import torch
-    from common import machine_info, table, write_json
+    from common import git_source, machine_info, short_rev, table, write_json
 
-    base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-    head_rev = subprocess.run(["git", "rev-parse", "--short", args.head or "HEAD"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout.strip()
+    base_rev = short_rev(args.base)
+    head_rev = short_rev(args.head or "HEAD")
     head_label = head_rev if args.head else f"{head_rev}+tree"
 
-    def source(rev: str, where: Path) -> Path:
-        archive = subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, check=True, capture_output=True)
-        where.mkdir()
-        subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-        return where / "src"
-
     with tempfile.TemporaryDirectory(prefix="griffin-compare-") as tmp:
-        head_src = source(head_rev, Path(tmp) / "head") if args.head else ROOT / "src"
-        workers = {"base": Worker(f"base {base_rev}", source(base_rev, Path(tmp) / "base"), args.threads,
+        head_src = git_source(head_rev, Path(tmp) / "head") if args.head else ROOT / "src"
+        workers = {"base": Worker(f"base {base_rev}", git_source(base_rev, Path(tmp) / "base"), args.threads,
                                   Path(tmp) / "numba-base"),
                    "head": Worker(f"head {head_label}", head_src, args.threads, Path(tmp) / "numba-head")}
         results: dict[str, dict[str, list[float]]] = {name: {"base": [], "head": []} for name in args.only}

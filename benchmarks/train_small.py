@@ -19,6 +19,12 @@ final validation loss of each.
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where the reference step's time goes
     python benchmarks/train_small.py --bf16 --main-job    # and the fast step under bf16 autocast (AVX-512-BF16 or AMX)
+    python benchmarks/train_small.py --cases hawk-256x16 --bf16 --base 39a51ae   # and an older version's step too
+
+``--base REV`` adds the reference step of another git revision of griffin (the code as it was when the speed goal was
+set, say), measured in a worker process that imports that version (``git archive``, a numba cache of its own) and
+takes its turn in the same alternating rounds: the ratios against it are what the changes since REV bought, the
+thread count it ended with is reported (a version that lost ``--threads`` shows it here).
 
 Writes JSON (``--out``, default benchmarks/results/train_small.json).
 """
@@ -26,7 +32,10 @@ Writes JSON (``--out``, default benchmarks/results/train_small.json).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,10 +47,9 @@ import torch
 
 from griffin.synth import InductionHeads, SelectiveCopying, TaskSource
 from griffin.training import TrainConfig, Trainer
-from griffin.training.fast import native_bf16
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, progress, table, write_json  # noqa: E402
+from common import git_source, machine_info, progress, short_rev, table, write_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,13 @@ def trainer(case: Case, out: Path, data: Path | None, fast: bool, threads: int, 
     return Trainer(cfg, source=TaskSource(task, case.batch_size, seed=0, eval_sequences=8))
 
 
+def native_bf16(device: torch.device) -> bool:
+    """griffin's check for a bf16 matmul (imported here: the base revision's worker may predate it)."""
+    from griffin.training.fast import native_bf16 as check
+
+    return check(device)
+
+
 def rate(t: Trainer, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
@@ -108,8 +123,57 @@ def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
             "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
 
 
+# The base revision's reference step: a worker process that imports that version of griffin -------------------------
+def worker(case_name: str, threads: int) -> None:
+    """Build ``case_name``'s reference trainer with the griffin on ``PYTHONPATH`` (this file's helpers use only what
+    older versions have too), then answer each line ``N`` on stdin with the tokens/s of N steps and the thread count
+    torch has after them."""
+    from griffin.training.trainer import prepare_data
+
+    case = cases()[case_name]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = None
+        if case.task is None:
+            data = prepare_data(TrainConfig(out=str(root / "prepare"), progress=False), root / "prepare")
+        t = trainer(case, root / "run", data, False, threads)
+        print(json.dumps({"griffin": str(Path(sys.modules["griffin"].__file__).parent)}), flush=True)
+        for line in sys.stdin:
+            tokens_per_s = rate(t, int(line))
+            print(json.dumps({"tokens_per_s": tokens_per_s, "threads": torch.get_num_threads()}), flush=True)
+
+
+class BaseStep:
+    """The reference step of griffin at another revision (its source tree ``src``), for one case, in a worker."""
+
+    def __init__(self, src: str, case: Case, threads: int, numba_cache: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(src), "NUMBA_CACHE_DIR": str(numba_cache)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", case.name, "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the base revision's worker for {case.name} did not start (its stderr is above)")
+        self.griffin = json.loads(ready)["griffin"]
+        self.threads = threads
+
+    def rate(self, steps: int) -> float:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the base revision's worker died (its stderr is above)")
+        answer = json.loads(line)
+        self.threads = answer["threads"]
+        return answer["tokens_per_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()  # each case compiles a new model: no cache limit reached (past it dynamo runs eagerly)
+    base = BaseStep(args.base_src, case, args.threads, root / f"numba-{case.name}") if args.base else None
     ref = trainer(case, root / f"{case.name}-ref", data, False, args.threads)
     steps = {"reference": ref, "fast": trainer(case, root / f"{case.name}-fast", data, True, args.threads)}
     if args.bf16:
@@ -122,9 +186,18 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
     for t in steps.values():
         rate(t, args.warmup)
     rates: dict[str, list[float]] = {key: [] for key in steps}
-    for _ in range(args.rounds):
-        for key, t in steps.items():
-            rates[key].append(rate(t, args.steps))
+    if base is not None:
+        base.rate(args.warmup)
+        rates["base"] = []
+    try:
+        for _ in range(args.rounds):
+            for key, t in steps.items():
+                rates[key].append(rate(t, args.steps))
+            if base is not None:
+                rates["base"].append(base.rate(args.steps))
+    finally:
+        if base is not None:
+            base.close()
     row: dict[str, Any] = {"case": case.name, "preset": case.preset, "seq_len": case.seq_len,
                            "batch_size": case.batch_size, "task": case.task or "embedded corpus",
                            "parameters": ref.model.num_parameters(), "flops_per_token": ref.flops_per_token,
@@ -137,6 +210,10 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
     row["speedup"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
     if args.bf16:
         row["bf16_speedup"] = row["fast_bf16_tokens_per_s"] / row["reference_tokens_per_s"]
+    if base is not None:
+        row.update(base_revision=args.base, base_griffin=base.griffin, base_threads_after=base.threads)
+        for key in steps:
+            row[f"{key}_over_base"] = row[f"{key}_tokens_per_s"] / row["base_tokens_per_s"]
     if args.profile:
         row["reference_profile"] = profile_shares(ref, args.profile)
     return row
@@ -176,8 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the fast step under bf16 autocast (a CPU with a bf16 matmul: AVX-512-BF16 or AMX)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N reference steps of each case: the shares of the RG-LRU kernels and matmuls")
+    p.add_argument("--base", metavar="REV", default=None,
+                   help="also the reference step of this git revision of griffin, in a worker process")
     p.add_argument("--out", default="benchmarks/results/train_small.json", help="JSON result")
+    p.add_argument("--worker", metavar="CASE", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:  # imports griffin from the revision it measures: nothing newer than this file's helpers
+        worker(args.worker, args.threads)
+        return 0
     if args.profile < 0:
         p.error(f"--profile={args.profile} must be at least 0")
     for name in ("steps", "rounds"):
@@ -190,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, job = [], None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.base:
+            args.base = short_rev(args.base)
+            args.base_src = str(git_source(args.base, root / "base"))
         data = None
         if "main-job" in args.cases or args.main_job:  # the embedded corpus, prepared once for every trainer
             from griffin.training.trainer import prepare_data
@@ -209,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                        ("fast / reference", "speedup", ".2f"), ("reference MFU", "reference_mfu", ".1%"),
                        ("fast MFU", "fast_mfu", ".1%"), ("compile s", "compile_s", ".0f")]
                 + ([("fast bf16 tok/s", "fast_bf16_tokens_per_s", ",.0f"), ("bf16 / reference", "bf16_speedup", ".2f"),
-                    ("fast bf16 MFU", "fast_bf16_mfu", ".1%")] if args.bf16 else [])))
+                    ("fast bf16 MFU", "fast_bf16_mfu", ".1%")] if args.bf16 else [])
+                + ([(f"{args.base} tok/s", "base_tokens_per_s", ",.0f"), ("its threads", "base_threads_after", "d"),
+                    ("reference / base", "reference_over_base", ".2f"), ("fast / base", "fast_over_base", ".2f")]
+                   + ([("bf16 / base", "fast_bf16_over_base", ".2f")] if args.bf16 else []) if args.base else [])))
     if rows:
         print(f"MFU against {rows[0]['peak_flops'] / 1e9:,.0f} GFLOP/s ({rows[0]['peak_source']})")
     for row in rows:

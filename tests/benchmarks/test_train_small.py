@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +30,22 @@ def test_every_step_is_timed_side_by_side(tmp_path):
     assert sorted(row["rounds"]) == sorted(keys)
     assert all(row[f"{k}_tokens_per_s"] > 0 for k in keys)
     assert row["speedup"] == pytest.approx(row["fast_tokens_per_s"] / row["reference_tokens_per_s"])
+
+
+def test_an_unknown_base_revision_is_refused_by_name(capsys):
+    bench = load_benchmark("train_small")
+    with pytest.raises(SystemExit, match="no git revision 'no-such-rev'"):
+        bench.main(["--cases", "hawk-256x16", "--base", "no-such-rev"])
+
+
+@pytest.mark.slow
+def test_the_base_revision_takes_its_turn_in_a_worker(tmp_path):
+    bench = load_benchmark("train_small")
+    out = tmp_path / "small.json"
+    assert bench.main(["--cases", "hawk-256x16", "--rounds", "2", "--steps", "1", "--warmup", "1", "--threads", "1",
+                       "--base", "HEAD", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["cases"][0]
+    assert len(row["rounds"]["base"]) == 2 and row["base_tokens_per_s"] > 0
+    assert Path(row["base_griffin"]).parts[-3:] == ("base", "src", "griffin")  # the extracted revision, not this tree
+    assert row["base_threads_after"] == 1
+    assert row["fast_over_base"] == pytest.approx(row["fast_tokens_per_s"] / row["base_tokens_per_s"])
