@@ -147,7 +147,7 @@ class BaseStep:
     """The reference step of griffin at another revision (its source tree ``src``), for one case, in a worker."""
 
     def __init__(self, src: str, case: Case, threads: int, numba_cache: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(src), "NUMBA_CACHE_DIR": str(numba_cache)}
+        env = {**os.environ, "PYTHONPATH": src, "NUMBA_CACHE_DIR": str(numba_cache)}
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", case.name, "--threads", str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self.proc.stdout.readline()
