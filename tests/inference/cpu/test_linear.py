@@ -114,7 +114,10 @@ def test_block_diagonal_kernel_equals_the_layer(gen, dtype, blocks, inner, outer
     if int8:
         float_w, layer = layer.w, Int8BlockDiagonalLinear.from_float(layer)
         assert layer.w.dtype == torch.int8 and layer.w_scale.shape == (blocks, outer)
-        assert (layer.dequantize() - float_w.float()).abs().max() <= layer.w_scale.max() / 2 * (1 + 1e-6)
+        # half a step, plus the float32 rounding of q * scale (of the weight's size): 1e-6 of half a step was
+        # too tight for about 1% of random weights
+        err = (layer.dequantize() - float_w.float()).abs().max()
+        assert err <= layer.w_scale.max() / 2 + float_w.float().abs().max() * 2**-22
     fast = MatvecBlockDiagonal(layer)
     for shape in [(1, 1), (3, 1), (2, 5)]:
         x = torch.randn(*shape, blocks * inner, generator=gen).to(dtype)
