@@ -16,9 +16,10 @@ numba's warnings. (The kernels are written so that they raise none: the filter k
 out of a user's output.)
 
 **The helpers** (numba only): :func:`exp_vectorizable` and :func:`sigmoid_vectorizable` (an e^x that LLVM vectorises,
-where ``math.exp`` is a call to libm), :func:`widen` (a stored value as float32) and :func:`narrow` (a float32 as the
-model stores it: bfloat16 rounded to nearest even, as ``Tensor.to(torch.bfloat16)``), and :func:`storage` (the numpy
-view a kernel reads a tensor through).
+where ``math.exp`` is a call to libm; float64), :func:`expm1_typed` and :func:`sigmoid_typed` (the same in their
+argument's own precision: float32 vectors hold twice the lanes and need half the polynomial), :func:`widen` (a
+stored value as float32) and :func:`narrow` (a float32 as the model stores it: bfloat16 rounded to nearest even, as
+``Tensor.to(torch.bfloat16)``), and :func:`storage` (the numpy view a kernel reads a tensor through).
 """
 
 from __future__ import annotations
@@ -171,11 +172,9 @@ def bits_of_float32(typingctx, value):
 
 
 @numba.njit(inline="always")
-def exp_vectorizable(z):
-    """exp(z) in float64 from operations LLVM vectorises: z = n ln 2 + r with |r| <= ln(2) / 2 (ln 2 in two parts,
-    Cody-Waite), exp(r) by its Taylor polynomial of degree 12 (truncation below 2e-16), 2^n from its exponent
-    bits. Within a few ulp of exp on [-708, 709]; saturates outside (about 3e-308 below, 8e307 above); NaN stays
-    NaN."""
+def _reduce64(z):
+    """z (clamped to [-708, 709]) as n ln 2 + r with |r| <= ln(2) / 2 (ln 2 in two parts, Cody-Waite), and
+    e^r - 1 = r P(r) by the Taylor polynomial of degree 12 (truncation below 2e-16): (2^n, r P(r))."""
     w = min(max(z, -708.0), 709.0)
     n = math.floor(w * 1.4426950408889634 + 0.5)
     r = (w - n * 6.93145751953125e-1) - n * 1.42860682030941723212e-6
@@ -191,8 +190,15 @@ def exp_vectorizable(z):
     p = p * r + 1.0 / 6.0
     p = p * r + 0.5
     p = p * r + 1.0
-    p = p * r + 1.0
-    e = p * _float64_from_bits((np.int64(n) + np.int64(1023)) << np.int64(52))
+    return _float64_from_bits((np.int64(n) + np.int64(1023)) << np.int64(52)), p * r
+
+
+@numba.njit(inline="always")
+def exp_vectorizable(z):
+    """exp(z) in float64 from operations LLVM vectorises (:func:`_reduce64`; 2^n from its exponent bits). Within a
+    few ulp of exp on [-708, 709]; saturates outside (about 3e-308 below, 8e307 above); NaN stays NaN."""
+    scale, q = _reduce64(z)
+    e = (q + 1.0) * scale
     return e if z == z else z
 
 
@@ -200,6 +206,65 @@ def exp_vectorizable(z):
 def sigmoid_vectorizable(z):
     """1 / (1 + exp(-z)) through :func:`exp_vectorizable` (float64)."""
     return 1.0 / (1.0 + exp_vectorizable(-z))
+
+
+@numba.njit(inline="always")
+def _expm1_64(z):
+    scale, q = _reduce64(z)
+    e = scale * q + (scale - 1.0)
+    return e if z == z else z
+
+
+_F = np.float32
+
+
+@numba.njit(inline="always")
+def _expm1_32(z):
+    """e^z - 1 in float32: z (clamped to [-87, 88]) = n ln 2 + r, |r| <= ln(2) / 2, e^r - 1 = r + r^2 P(r) with
+    Cephes' degree-5 minimax P for expf, then 2^n (e^r - 1) + (2^n - 1)."""
+    w = min(max(z, _F(-87.0)), _F(88.0))
+    n = np.floor(w * _F(1.44269504) + _F(0.5))
+    r = (w - n * _F(0.693359375)) - n * _F(-2.12194440e-4)
+    p = _F(1.9875691500e-4)
+    p = p * r + _F(1.3981999507e-3)
+    p = p * r + _F(8.3334519073e-3)
+    p = p * r + _F(4.1665795894e-2)
+    p = p * r + _F(1.6666665459e-1)
+    p = p * r + _F(5.0000001201e-1)
+    q = p * r * r + r
+    scale = float32_from_bits(np.uint32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    e = scale * q + (scale - _F(1.0))
+    return e if z == z else z
+
+
+def expm1_typed(z):
+    """e^z - 1 in z's own precision (float32 or float64) from operations LLVM vectorises; exact to a few ulp also
+    for z near 0, where exp(z) - 1 cancels. Within 2 ulp (float32) on [-87, 88], saturating outside (at about
+    -1 and 1.7e38 - 1); NaN stays NaN. numba only."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+@overload(expm1_typed, inline="always")
+def _expm1_typed(z):
+    if z == types.float32:
+        return lambda z: _expm1_32(z)
+    if z == types.float64:
+        return lambda z: _expm1_64(z)
+    raise TypingError(f"expm1_typed: no float32 or float64 value: {z}")
+
+
+def sigmoid_typed(z):
+    """1 / (1 + e^-z) in z's own precision (float32 or float64), through :func:`expm1_typed`. numba only."""
+    raise NotImplementedError  # numba only (the overload below)
+
+
+@overload(sigmoid_typed, inline="always")
+def _sigmoid_typed(z):
+    if z == types.float32:
+        return lambda z: _F(1.0) / (_F(2.0) + _expm1_32(-z))
+    if z == types.float64:
+        return lambda z: 1.0 / (2.0 + _expm1_64(-z))
+    raise TypingError(f"sigmoid_typed: no float32 or float64 value: {z}")
 
 
 def widen(v):

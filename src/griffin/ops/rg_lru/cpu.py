@@ -7,15 +7,14 @@ gradients once, reducing the gradient of the decay parameter per (batch, channel
 
 Each time step is one loop over a block of channels that LLVM vectorises (AVX2/AVX-512); only the recurrence is
 sequential, in time. That needs an exp it can vectorise: numba calls libm's scalar exp for ``math.exp``, which
-made the kernel compute-bound, so the kernels use :func:`exp_vectorizable` (docs/performance.md, "Fused CPU RG-LRU").
+made the kernel compute-bound, so the kernels use :func:`expm1_typed` (docs/performance.md, "Fused CPU RG-LRU").
 
-Numerics follow :func:`griffin.ops.rg_lru.rg_lru_ref` in float64 arithmetic (the state is kept in the inputs'
-dtype, float32 for 16/32-bit inputs), including the clipped derivative of the square root.
+Numerics follow :func:`griffin.ops.rg_lru.rg_lru_ref`, including the clipped derivative of the square root, in the
+accumulation dtype: float32 arithmetic and state for 16/32-bit inputs (as the Triton kernel and the reference), float64
+for float64 inputs. 1 - a_t^2 comes from expm1, so it keeps its digits where a_t is near 1.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -23,18 +22,22 @@ import torch.nn.functional as F
 from numba import prange
 from torch import Tensor
 
-from griffin.ops.jit import exp_vectorizable, kernel, parallel_ready, sigmoid_vectorizable
+from griffin.ops.jit import expm1_typed, kernel, parallel_ready, sigmoid_typed
 from griffin.ops.rg_lru.reference import MAX_SQRT_GRADIENT
 from griffin.ops.scan.cpu import channel_chunk, empty_like_hugepages
 from griffin.ops.scan.reference import accumulation_dtype
 
-_MIN_2U = 1.0 / MAX_SQRT_GRADIENT  # d sqrt(u)/du = 1 / max(2 sqrt(u), _MIN_2U), as sqrt_bound_derivative
+# float32 constants: with float32 inputs the arithmetic stays float32, with float64 inputs numba widens them (1, 2 and
+# 0 exactly; the gradient bound by 3e-11 of itself)
+_ZERO, _ONE, _TWO = np.float32(0.0), np.float32(1.0), np.float32(2.0)
+_MIN_2U = np.float32(1.0 / MAX_SQRT_GRADIENT)  # d sqrt(u)/du = 1 / max(2 sqrt(u), _MIN_2U), as sqrt_bound_derivative
 
 
 @kernel(parallel=True, fastmath=False)
 def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
     """h_t = a_t h_{t-1} + sqrt(1 - a_t^2) sigmoid(gx_t) x_t with log a_t = log_a_max sigmoid(ga_t), where
-    log_a_max = -c softplus(Lambda) (a^c at r_t = 1); at a document start h_t = sigmoid(gx_t) x_t. y_t = h_t."""
+    log_a_max = -c softplus(Lambda) (a^c at r_t = 1); at a document start h_t = sigmoid(gx_t) x_t. y_t = h_t.
+    a_t = 1 + m_t and 1 - a_t^2 = -m_t (2 + m_t) from m_t = expm1(log a_t): exact also where a_t is near 1."""
     batch, steps, dim = x.shape
     n_chunks = -(-dim // chunk)
     for task in prange(batch * n_chunks):
@@ -47,13 +50,13 @@ def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
             xt, gxt, gat, yt = x[n, t, lo:hi], gx[n, t, lo:hi], ga[n, t, lo:hi], y[n, t, lo:hi]
             if reset[n, t]:
                 for j in range(hi - lo):
-                    s = xt[j] * sigmoid_vectorizable(gxt[j])
+                    s = xt[j] * sigmoid_typed(gxt[j])
                     state[j] = s
                     yt[j] = s
             else:
                 for j in range(hi - lo):
-                    a = exp_vectorizable(lmax[j] * sigmoid_vectorizable(gat[j]))
-                    s = a * state[j] + math.sqrt(1.0 - a * a) * (xt[j] * sigmoid_vectorizable(gxt[j]))
+                    m = expm1_typed(lmax[j] * sigmoid_typed(gat[j]))
+                    s = (m + _ONE) * state[j] + np.sqrt(-m * (_TWO + m)) * (xt[j] * sigmoid_typed(gxt[j]))
                     state[j] = s
                     yt[j] = s
         h_last[n, lo:hi] = state
@@ -76,26 +79,27 @@ def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, d
             dxt, dgxt, dgat = dx[n, t, lo:hi], dgx[n, t, lo:hi], dga[n, t, lo:hi]
             if reset[n, t]:  # h_t = i_t x_t: nothing flows to h_{t-1} or through a_t
                 for j in range(hi - lo):
-                    i = sigmoid_vectorizable(gxt[j])
+                    i = sigmoid_typed(gxt[j])
                     dh = gt[j] + carry[j]
                     dxt[j] = dh * i
-                    dgxt[j] = dh * xt[j] * i * (1.0 - i)
-                    dgat[j] = 0.0
-                    carry[j] = 0.0
+                    dgxt[j] = dh * xt[j] * i * (_ONE - i)
+                    dgat[j] = _ZERO
+                    carry[j] = _ZERO
                 continue
             prev = h0[n, lo:hi] if t == 0 else h[n, t - 1, lo:hi]
             for j in range(hi - lo):
-                r = sigmoid_vectorizable(gat[j])
-                i = sigmoid_vectorizable(gxt[j])
+                r = sigmoid_typed(gat[j])
+                i = sigmoid_typed(gxt[j])
                 dh = gt[j] + carry[j]
-                a = exp_vectorizable(lmax[j] * r)
+                m = expm1_typed(lmax[j] * r)
+                a = m + _ONE
                 a2 = a * a
-                mult = math.sqrt(1.0 - a2)
+                mult = np.sqrt(-m * (_TWO + m))  # sqrt(u), u = 1 - a^2
                 dxt[j] = dh * i * mult
-                dgxt[j] = dh * xt[j] * mult * i * (1.0 - i)
-                d_u = dh * xt[j] * i / max(2.0 * mult, _MIN_2U)  # u = 1 - a^2, mult = sqrt(u)
-                d_log_a = dh * prev[j] * a - d_u * 2.0 * a2
-                dgat[j] = d_log_a * lmax[j] * r * (1.0 - r)
+                dgxt[j] = dh * xt[j] * mult * i * (_ONE - i)
+                d_u = dh * xt[j] * i / max(_TWO * mult, _MIN_2U)
+                d_log_a = dh * prev[j] * a - d_u * _TWO * a2
+                dgat[j] = d_log_a * lmax[j] * r * (_ONE - r)
                 acc[j] += d_log_a * r
                 carry[j] = a * dh
         dh0[n, lo:hi] = carry
