@@ -17,7 +17,7 @@ final validation loss of each.
     python benchmarks/train_small.py                      # every case, about 10 minutes on 2 cores
     python benchmarks/train_small.py --main-job           # and the main job both ways (about 7 minutes more)
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
-    python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where the reference step's time goes
+    python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where each step's time goes
     python benchmarks/train_small.py --bf16 --main-job    # and the fast step under bf16 autocast (AVX-512-BF16 or AMX)
     python benchmarks/train_small.py --cases hawk-256x16 --bf16 --base 39a51ae   # and an older version's step too
 
@@ -32,6 +32,7 @@ Writes JSON (``--out``, default benchmarks/results/train_small.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -105,12 +106,16 @@ def rate(t: Trainer, steps: int) -> float:
 
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+# what each share counts: operator names containing these (griffin's custom operators and their autograd nodes;
+# the C++ kernels Inductor generates, named by the profiler when the fast step is compiled with kernel profiling)
+GROUPS = {"inductor": ("cpp_fused",), "rg_lru": ("rg_lru_cpu",), "conv1d": ("conv1d_cpu",),
+          "copies": ("aten::copy_", "aten::_to_copy")}
 
 
 def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
-    """Shares of ``steps`` training steps' self CPU time (torch.profiler): griffin's fused RG-LRU (every operator
-    named ``*rg_lru*``: the kernels and their autograd nodes), the matmuls, and the eight operators that take the
-    most."""
+    """Shares of ``steps`` training steps' self CPU time (torch.profiler): the matmuls, each of :data:`GROUPS` (the
+    first that matches: a generated kernel named after the griffin operator it feeds counts as Inductor's), and the
+    eight operators that take the most."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -118,9 +123,17 @@ def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
             t.train_step()
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     total = sum(ops.values())
-    return {"rg_lru": sum(v for k, v in ops.items() if "rg_lru" in k) / total,
-            "matmuls": sum(ops.get(k, 0) for k in MATMULS) / total,
-            "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
+
+    def group(key: str) -> str | None:
+        if key in MATMULS:
+            return "matmuls"
+        return next((name for name, parts in GROUPS.items() if any(part in key for part in parts)), None)
+
+    shares = {name: 0.0 for name in ("matmuls", *GROUPS)}
+    for key, value in ops.items():
+        if (name := group(key)) is not None:
+            shares[name] += value / total
+    return {**shares, "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
 
 
 # The base revision's reference step: a worker process that imports that version of griffin -------------------------
@@ -215,7 +228,7 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
         for key in steps:
             row[f"{key}_over_base"] = row[f"{key}_tokens_per_s"] / row["base_tokens_per_s"]
     if args.profile:
-        row["reference_profile"] = profile_shares(ref, args.profile)
+        row["profiles"] = {key: profile_shares(t, args.profile) for key, t in steps.items()}
     return row
 
 
@@ -252,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true",
                    help="also the fast step under bf16 autocast (a CPU with a bf16 matmul: AVX-512-BF16 or AMX)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also profile N reference steps of each case: the shares of the RG-LRU kernels and matmuls")
+                   help="also profile N steps of each kind in each case: the shares of the matmuls, griffin's "
+                        "kernels, Inductor's kernels and copies (Inductor's kernels then carry profiler markers, "
+                        "in the timed rounds too)")
     p.add_argument("--base", metavar="REV", default=None,
                    help="also the reference step of this git revision of griffin, in a worker process")
     p.add_argument("--out", default="benchmarks/results/train_small.json", help="JSON result")
@@ -271,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                 "refused here")
 
     rows, job = [], None
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.profile:  # the generated kernels named in the profile
+            from torch._inductor import config as inductor_config
+
+            stack.enter_context(inductor_config.patch({"cpp.enable_kernel_profile": True}))
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         root = Path(tmp)
         if args.base:
             args.base = short_rev(args.base)
@@ -302,11 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print(f"MFU against {rows[0]['peak_flops'] / 1e9:,.0f} GFLOP/s ({rows[0]['peak_source']})")
     for row in rows:
-        if "reference_profile" in row:
-            prof = row["reference_profile"]
-            top = ", ".join(f"{name} {share:.1%}" for name, share in prof["top"])
-            print(f"{row['case']}, reference step: RG-LRU {prof['rg_lru']:.1%}, matmuls "
-                  f"{prof['matmuls']:.1%} of self CPU time; most: {top}")
+        for key, prof in row.get("profiles", {}).items():
+            groups = ", ".join(f"{name} {prof[name]:.1%}" for name in ("matmuls", *GROUPS))
+            top = ", ".join(f"{name[:60]} {share:.1%}" for name, share in prof["top"])
+            print(f"{row['case']}, {key} step, shares of self CPU time: {groups}; most: {top}")
     if job is not None:
         ref = job["reference"]
         print(f"main job (griffin train, {ref['steps']} steps): reference {ref['wall_s']:.0f} s to val loss"

@@ -24,12 +24,22 @@ def test_every_step_is_timed_side_by_side(tmp_path):
     out = tmp_path / "small.json"
     bf16 = ["--bf16"] if bench.native_bf16(bench.torch.device("cpu")) else []
     assert bench.main(["--cases", "hawk-256x16", "--rounds", "1", "--steps", "1", "--warmup", "1", *bf16,
-                       "--out", str(out)]) == 0
+                       "--profile", "1", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["cases"][0]
     keys = ["reference", "fast"] + (["fast_bf16"] if bf16 else [])
     assert sorted(row["rounds"]) == sorted(keys)
     assert all(row[f"{k}_tokens_per_s"] > 0 for k in keys)
     assert row["speedup"] == pytest.approx(row["fast_tokens_per_s"] / row["reference_tokens_per_s"])
+    # every step profiled; Inductor's kernels are named (and counted) only in the compiled ones
+    assert sorted(row["profiles"]) == sorted(keys)
+    for key, prof in row["profiles"].items():
+        groups = [prof[name] for name in ("matmuls", *bench.GROUPS)]
+        assert all(0 <= share for share in groups) and sum(groups) <= 1 + 1e-9
+        assert prof["matmuls"] > 0 and prof["rg_lru"] > 0 and prof["conv1d"] > 0
+        assert (prof["inductor"] > 0) == (key != "reference"), key
+    from torch._inductor import config as inductor_config
+
+    assert not inductor_config.cpp.enable_kernel_profile  # restored for what runs next in this process
 
 
 def test_an_unknown_base_revision_is_refused_by_name(capsys):
