@@ -327,3 +327,13 @@ def test_precision_bf16_trains_under_autocast_and_a_compiled_bf16_step_is_refuse
     assert main(args) == 2
     assert "no native bf16 matmul" in capsys.readouterr().err
     assert not (tmp_path / "cli" / "checkpoints").exists()
+
+
+def test_plots_tell_up_to_thirty_curves_apart():
+    """Past the colour cycle's ten colours a curve changes its line and marker, not only repeats a colour; a
+    family keeps its own colour wherever it comes."""
+    from griffin.synth.plots import COLORS, _style
+
+    styles = [_style(i, f"run {i}") for i in range(30)]
+    assert len(set(styles)) == 30
+    assert _style(12, "hawk")[1] == COLORS["hawk"]

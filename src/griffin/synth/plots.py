@@ -38,6 +38,12 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _style(i: int, name: str) -> tuple[str, str]:
+    """The i-th curve's format and colour: a family's own colour, else the colour cycle's i-th; past its ten colours
+    the line and marker change, so that no two of up to thirty curves look alike."""
+    return ("o-", "s--", "^:")[i // 10 % 3], COLORS.get(name, f"C{i % 10}")
+
+
 def _finish(plt, fig, ax, path: Path, xlabel: str, title: str, curves: int, log2: bool = False) -> None:
     """The axes every plot here shares (held-out accuracy in [0, 1]), the legend, the file."""
     if log2:
@@ -54,10 +60,11 @@ def _finish(plt, fig, ax, path: Path, xlabel: str, title: str, curves: int, log2
 def plot_accuracy(curves: dict[str, Sequence[tuple[int, float]]], path: str | Path, title: str) -> None:
     """Accuracy on the held-out set against the training step, one line per family (Figure 6a)."""
     plt, fig, ax = _figure()
-    for name, points in curves.items():
+    for i, (name, points) in enumerate(curves.items()):
         if points:
             steps, acc = zip(*points, strict=True)
-            ax.plot(steps, acc, "o-", ms=3, lw=1.5, label=LABELS.get(name, name), color=COLORS.get(name))
+            fmt, color = _style(i, name)
+            ax.plot(steps, acc, fmt, ms=3, lw=1.5, label=LABELS.get(name, name), color=color)
     _finish(plt, fig, ax, path, "training step", title, len(curves))
 
 
@@ -90,10 +97,11 @@ def plot_lengths(curves: dict[str, Sequence[tuple[int, float]]], path: str | Pat
                  train_length: int | None = None) -> None:
     """Accuracy against the evaluation sequence length on a log axis, one line per family (Figure 6b)."""
     plt, fig, ax = _figure()
-    for name, points in curves.items():
+    for i, (name, points) in enumerate(curves.items()):
         if points:
             lengths, acc = zip(*points, strict=True)
-            ax.plot(lengths, acc, "o-", ms=4, lw=1.5, label=LABELS.get(name, name), color=COLORS.get(name))
+            fmt, color = _style(i, name)
+            ax.plot(lengths, acc, fmt, ms=4, lw=1.5, label=LABELS.get(name, name), color=color)
     if train_length:
         ax.axvline(train_length, ls="--", color="gray", lw=1, label=f"training length ({train_length})")
     _finish(plt, fig, ax, path, "evaluation sequence length", title, len(curves), log2=True)
