@@ -7,7 +7,7 @@ gradients once, reducing the gradient of the decay parameter per (batch, channel
 
 Each time step is one loop over a block of channels that LLVM vectorises (AVX2/AVX-512); only the recurrence is
 sequential, in time. That needs an exp it can vectorise: numba calls libm's scalar exp for ``math.exp``, which
-made the kernel compute-bound, so the kernels use :func:`expm1_typed` (docs/performance.md, "Fused CPU RG-LRU").
+made the kernel compute-bound, so the kernels use :func:`expm1_typed` (docs/performance.md, "Fused RG-LRU on CPU").
 
 Numerics follow :func:`griffin.ops.rg_lru.rg_lru_ref`, including the clipped derivative of the square root, in the
 accumulation dtype: float32 arithmetic and state for 16/32-bit inputs (as the Triton kernel and the reference), float64
