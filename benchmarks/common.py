@@ -130,6 +130,19 @@ def median_time(step: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_forward_backward(paths: Sequence[str], run: Callable[[str, bool], None],
+                                 rounds: int) -> dict[str, tuple[float, float]]:
+    """Per path, the median seconds of ``run(path, False)`` (forward) and ``run(path, True)`` (forward+backward)
+    over ``rounds`` rounds that time every path in turn, so that a change of load on a shared host falls on all."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name in paths:
+            times[name].append((median_time(lambda name=name: run(name, False), 1),
+                                median_time(lambda name=name: run(name, True), 1)))
+    return {name: (statistics.median_high(t[0] for t in ts), statistics.median_high(t[1] for t in ts))
+            for name, ts in times.items()}
+
+
 def median_run(fn: Callable[[], T], repeats: int) -> T:
     """The run of median total time (``total_s``) among ``repeats`` runs."""
     runs = sorted((fn() for _ in range(repeats)), key=lambda r: r.total_s)

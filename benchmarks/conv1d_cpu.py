@@ -23,7 +23,7 @@ import torch
 from griffin.ops.conv1d import causal_conv1d
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, median_time, write_json  # noqa: E402
+from common import interleaved_forward_backward, machine_info, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PATHS = {"fused": "cpu", "ref": "ref"}
@@ -63,12 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             reset = torch.rand(B, T, generator=g) < args.resets if args.resets else None
             size = B * T * D * x.element_size()
             inputs = (x, w, b, reset, grad)
-            times: dict[str, list[tuple[float, float]]] = {name: [] for name in PATHS}
-            for _ in range(args.repeats):  # interleaved rounds
-                for name in PATHS:
-                    times[name].append((median_time(lambda name=name, a=inputs: run(name, *a, False), 1),
-                                        median_time(lambda name=name, a=inputs: run(name, *a, True), 1)))
-            med = {name: tuple(sorted(t[i] for t in ts)[len(ts) // 2] for i in (0, 1)) for name, ts in times.items()}
+            med = interleaved_forward_backward(list(PATHS), lambda name, bwd, a=inputs: run(name, *a, bwd),
+                                               args.repeats)
             for name, (fwd, fb) in med.items():
                 row = dict(shape=shape, dtype=dtype_name, path=name, forward_s=fwd, forward_backward_s=fb,
                            forward_gbs=2 * size / fwd / 1e9, forward_backward_gbs=5 * size / fb / 1e9)

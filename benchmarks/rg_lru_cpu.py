@@ -24,7 +24,7 @@ from griffin.ops.rg_lru import rg_lru, rg_lru_gates
 from griffin.ops.scan import linear_scan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, median_time, write_json  # noqa: E402
+from common import interleaved_forward_backward, machine_info, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SCANS = {"unfused": "cpu", "assoc": "assoc"}  # the scan after the PyTorch gate math
@@ -65,12 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         reset = torch.rand(B, T, generator=g) < args.resets if args.resets else None
         size = B * T * D * x.element_size()
         inputs = (x, gx, ga, lam, reset)
-        times: dict[str, list[tuple[float, float]]] = {name: [] for name in args.paths}
-        for _ in range(args.repeats):  # interleaved rounds
-            for name in args.paths:
-                times[name].append((median_time(lambda name=name, a=inputs: run(name, *a, False), 1),
-                                    median_time(lambda name=name, a=inputs: run(name, *a, True), 1)))
-        med = {name: tuple(sorted(t[i] for t in ts)[len(ts) // 2] for i in (0, 1)) for name, ts in times.items()}
+        med = interleaved_forward_backward(args.paths, lambda name, bwd, a=inputs: run(name, *a, bwd), args.repeats)
         base = med.get("fused", next(iter(med.values())))
         for name, (fwd, fb) in med.items():
             row = dict(shape=shape, path=name, forward_s=fwd, forward_backward_s=fb,
