@@ -110,13 +110,19 @@ def test_typed_expm1_and_sigmoid_keep_their_precision_and_digits():
             s[k] = sigmoid_typed(z[k])
         return e, s
 
+    @numba.njit
+    def scalars(z):
+        return expm1_typed(z), sigmoid_typed(z)
+
     rng = np.random.default_rng(0)
     for dtype, lo, hi, ulps in ((np.float32, -87.0, 88.0, 3), (np.float64, -708.0, 709.0, 8)):
         eps = np.finfo(dtype).eps
         z = np.concatenate([np.linspace(lo, hi, 1_000_003), rng.standard_normal(100_000) * 1e-4,
                             -np.logspace(-30, 1, 10_001), [0.0, -0.0]]).astype(dtype)
         e, s = apply(z)
-        assert e.dtype == dtype and s.dtype == dtype
+        scalars(z[0])
+        kind = numba.from_dtype(np.dtype(dtype))
+        assert scalars.nopython_signatures[-1].return_type == numba.types.UniTuple(kind, 2)  # no widening
         z64 = z.astype(np.float64)
         truth = np.expm1(z64)
         rel = np.abs(e - truth) / np.maximum(np.abs(truth), np.finfo(dtype).tiny)

@@ -253,18 +253,11 @@ def _expm1_typed(z):
     raise TypingError(f"expm1_typed: no float32 or float64 value: {z}")
 
 
+@numba.njit(inline="always")
 def sigmoid_typed(z):
-    """1 / (1 + e^-z) in z's own precision (float32 or float64), through :func:`expm1_typed`. numba only."""
-    raise NotImplementedError  # numba only (the overload below)
-
-
-@overload(sigmoid_typed, inline="always")
-def _sigmoid_typed(z):
-    if z == types.float32:
-        return lambda z: _F(1.0) / (_F(2.0) + _expm1_32(-z))
-    if z == types.float64:
-        return lambda z: 1.0 / (2.0 + _expm1_64(-z))
-    raise TypingError(f"sigmoid_typed: no float32 or float64 value: {z}")
+    """1 / (1 + e^-z) in z's own precision (float32 or float64), through :func:`expm1_typed` (its float32 constants
+    widen exactly for a float64 z)."""
+    return _F(1.0) / (_F(2.0) + expm1_typed(-z))
 
 
 def widen(v):
