@@ -55,13 +55,20 @@ class LanguageModelLoss(nn.Module):
     """The training loss (Section 3): the summed cross-entropy over ``targets`` (IGNORE_INDEX: not counted) of the
     soft-capped logits h W^T, all at once (``chunk`` 0) or ``chunk`` rows at a time
     (:func:`griffin.ops.cross_entropy.chunked_cross_entropy`). A module of its own, so that the output layer's loss
-    can be swapped from outside (the vocabulary-parallel loss of :mod:`griffin.parallel`, Section 4.1)."""
+    can be swapped from outside (the vocabulary-parallel loss of :mod:`griffin.parallel`, Section 4.1).
 
-    def __init__(self, logits_soft_cap: float | None) -> None:
+    ``float32_logits``: under autocast, compute the logits from float32 h and W instead of in autocast's dtype (the
+    trainer's ``logits_precision``); bf16 keeps 8 bits of a logit, and its rounding shows in the loss."""
+
+    def __init__(self, logits_soft_cap: float | None, float32_logits: bool = False) -> None:
         super().__init__()
         self.cap = logits_soft_cap
+        self.float32_logits = float32_logits
 
     def forward(self, h: Tensor, weight: Tensor, targets: Tensor, chunk: int = 0) -> Tensor:
+        if self.float32_logits and torch.is_autocast_enabled(h.device.type):
+            with torch.autocast(h.device.type, enabled=False):
+                return self.forward(h.float(), weight.float(), targets, chunk)
         if chunk:
             return chunked_cross_entropy(h, weight, targets, self.cap, chunk)
         logits = F.linear(h, weight)

@@ -127,3 +127,24 @@ def test_model_loss_mode(gen, family):
         model(ids, targets=targets[:, :5])
     with pytest.raises(ValueError, match="without logits_to_keep"):
         model(ids, targets=targets, logits_to_keep=1)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 5])
+def test_float32_logits_under_autocast(gen, loss_chunk):
+    """``LanguageModelLoss.float32_logits``: under bf16 autocast the output layer's matmul runs in float32 on the
+    same hidden states (the trainer's ``logits_precision='fp32'``), whole or chunked; without it, in bf16. The
+    backward pass outside autocast, as the trainer runs it."""
+    from griffin.model import LanguageModelLoss
+
+    h, weight, targets = inputs(gen, (3, 7), 16, 40, torch.float32)
+    exact = loss_and_grads(cross_entropy_ref, h, weight, targets, 30.0)
+    losses = []
+    for float32_logits in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(LanguageModelLoss(30.0, float32_logits)(h, weight, targets, loss_chunk))
+    fp32, bf16 = ((loss, *torch.autograd.grad(loss * 0.7, (h, weight))) for loss in losses)
+    for a, b in zip(fp32, exact, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    for a, b in zip(bf16[1:], exact[1:], strict=True):  # the bf16 matmul's rounding, seen in every gradient
+        assert not torch.allclose(a, b, rtol=1e-4, atol=0)

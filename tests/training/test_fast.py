@@ -86,12 +86,33 @@ def test_bf16_autocast_trains_as_fp32_within_a_stated_tolerance_for_200_steps(co
     run's, the last 20 steps' mean within 1% (measured on a Zen 4: 2.5% and 0.03% for the eager step)."""
     ref, _ = train_losses(config(tmp_path / "ref", "hawk"))
     got, trainer = train_losses(config(tmp_path / "bf16", "hawk", precision="bf16", compile=compile))
-    assert trainer.autocast == torch.bfloat16
+    assert trainer.autocast == torch.bfloat16 and trainer.model.loss.float32_logits  # 'auto' on CPU
     assert got != ref  # the matmuls did run in bf16
     assert ref[-1] < ref[0] - 0.3
     assert max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) < 0.05
     last = sum(ref[-20:]) / 20
     assert abs(sum(got[-20:]) / 20 - last) / last < 0.01
+
+
+def test_logits_precision_resolves_per_device_and_refuses_another_loss():
+    """'auto': float32 logits under autocast on CPU (not on CUDA, nor over a bf16 frozen model); 'fp32' refused for
+    a loss that cannot compute them (the vocabulary-parallel one)."""
+    from griffin.model import LanguageModelLoss
+    from griffin.training.trainer import resolve_float32_logits
+
+    cpu, cuda, bf16, plain = torch.device("cpu"), torch.device("cuda"), torch.bfloat16, LanguageModelLoss(None)
+
+    def resolve(device=cpu, autocast=bf16, loss=plain, **kw):
+        return resolve_float32_logits(TrainConfig(**kw), device, autocast, loss)
+
+    assert resolve() and resolve(logits_precision="fp32", device=cuda)
+    assert not resolve(device=cuda) and not resolve(autocast=None) and not resolve(logits_precision="bf16")
+    assert not resolve(lora_rank=4, init="ckpt", base_dtype="bfloat16") and resolve(lora_rank=4, init="ckpt")
+    assert not resolve(loss=torch.nn.Module())
+    with pytest.raises(ValueError, match="logits_precision='fp32' is not supported by Module"):
+        resolve(loss=torch.nn.Module(), logits_precision="fp32")
+    with pytest.raises(ValueError, match="logits_precision"):
+        TrainConfig(logits_precision="fp16")
 
 
 def test_bf16_on_a_cpu_without_it_is_refused_or_trained_in_fp32_when_asked(tmp_path, monkeypatch):

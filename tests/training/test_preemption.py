@@ -67,6 +67,7 @@ def test_sigterm_checkpoints_and_resume_is_bit_identical(dataset, tmp_path, keep
     ckpt = run / "checkpoints" / f"step_{step:08d}"
     assert stderr.strip().splitlines()[-1] == (f"griffin train: stopped by SIGTERM after step {step}; checkpoint: "
                                                f"{ckpt}; continue with: griffin train --out {run} --resume")
+    assert stop.pop("wall_s") > 0
     assert stop == {"kind": "stop", "step": step, "reason": "SIGTERM", "checkpoint": str(ckpt)}
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == [ckpt.name] and max(losses(run)) == step
     saved = json.loads((ckpt / "trainer.json").read_text())

@@ -218,8 +218,11 @@ def test_training_run_writes_everything(dataset, tmp_path):
     evals = [r["val_loss"] for r in result.history if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 0.5  # it learns
     assert (out / "loss.png").stat().st_size > 1000 and list((out / "tensorboard").iterdir())
-    kinds = [json.loads(line)["kind"] for line in (out / "log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
     assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("eval") == 5
+    walls = [r["wall_s"] for r in records]  # seconds since the run started, on every record
+    assert 0 < walls[0] and walls == sorted(walls) and walls[-1] > walls[0]
     steps = [p.name for p in list_checkpoints(out / "checkpoints")]
     best = (out / "checkpoints" / "best").resolve().name
     assert steps[-1] == "step_00000012" and set(steps) == {best, "step_00000012"}
@@ -284,7 +287,7 @@ def test_resume_restores_the_whole_trainer_state(dataset, tmp_path, monkeypatch)
         assert saved[0][key] == saved[1][key], key
 
     def records(out):  # the log without timings
-        timing = {"tokens_per_s", "mfu"}
+        timing = {"tokens_per_s", "mfu", "wall_s"}
         return [{k: v for k, v in r.items() if k not in timing} for r in (json.loads(line) for line in
                 (Path(out) / "log.jsonl").read_text().splitlines()) if r["kind"] in ("train", "eval")]
 

@@ -103,6 +103,10 @@ class TrainConfig:
     device: str = _opt("auto", "'auto' (CUDA if available), 'cpu', 'cuda', 'cuda:1', ...")
     precision: str = _opt("auto", "'auto' (bf16 autocast where supported on CUDA, else fp32), 'fp32' or 'bf16'",
                           choices=PRECISIONS)
+    logits_precision: str = _opt("auto", "under bf16 autocast, the output layer's logits and the loss: 'fp32' (from "
+                                         "the float32 weights: the logits are not rounded to bf16's 8 bits), 'bf16' "
+                                         "(autocast's matmul), 'auto' (fp32 on CPU, bf16 on CUDA)",
+                                 choices=PRECISIONS)
     compile: bool = _opt(False, "the fast step: torch.compile the model and update with the fused AdamW "
                                 "(griffin.training.fast); refused where it cannot run, see compile_fallback")
     compile_fallback: bool = _opt(False, "where --compile cannot run (the compiler fails on the model, bf16 on a CPU "

@@ -41,7 +41,7 @@ from griffin.inference import generate
 from griffin.interop import DTYPES, CheckpointError
 from griffin.interop.adapters import LoraSettings
 from griffin.io import atomic_write
-from griffin.model import CausalLM
+from griffin.model import CausalLM, LanguageModelLoss
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.parallel import ParallelDims, shard_sequence
 from griffin.training.checkpoint import (
@@ -174,6 +174,22 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return None
+
+
+def resolve_float32_logits(cfg: TrainConfig, device: torch.device, autocast: torch.dtype | None,
+                           loss: torch.nn.Module) -> bool:
+    """Whether the loss computes its logits in float32 under autocast (``TrainConfig.logits_precision``). 'auto':
+    on CPU, where the output layer is a small share of the step, with float32 weights; not for another loss (the
+    vocabulary-parallel one of a tensor-parallel layout), which an explicit 'fp32' is refused for."""
+    if autocast is None or cfg.logits_precision == "bf16":
+        return False
+    plain = isinstance(loss, LanguageModelLoss)
+    if cfg.logits_precision == "fp32":
+        if not plain:
+            raise ValueError(f"logits_precision='fp32' is not supported by {type(loss).__name__} (tp > 1): use "
+                             "'bf16' or 'auto'")
+        return True
+    return plain and device.type == "cpu" and not (cfg.lora_rank and cfg.base_dtype != "float32")
 
 
 def no_weight_decay(name: str, param: Tensor) -> bool:
@@ -356,6 +372,7 @@ class Trainer:
         from griffin.data import PackedLoader, eval_batches, unigram_loss
         from griffin.flops import peak_flops, training_flops_per_token
 
+        self.started = time.perf_counter()  # every log record's wall_s counts from here
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -438,6 +455,8 @@ class Trainer:
             from griffin.parallel.fsdp import apply_activation_checkpointing
 
             apply_activation_checkpointing(self.model, preserve_rng_state=cfg.lora_dropout > 0)
+        if resolve_float32_logits(cfg, self.device, self.autocast, self.model.loss):
+            self.model.loss.float32_logits = True
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg)
         self.ddp = None
@@ -730,7 +749,8 @@ class Trainer:
     def _record(self, kind: str, **values: Any) -> None:
         if self.log is None:
             return
-        self.log.write({"kind": kind, "step": self.step, **values})
+        self.log.write({"kind": kind, "step": self.step, **values,
+                        "wall_s": round(time.perf_counter() - self.started, 3)})
         if self.writer is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -775,7 +795,9 @@ class Trainer:
                         f"frozen in {cfg.base_dtype}")
         self._print(f"griffin train: {self.model_config.family} {n_params:,} parameters "
                     f"({self.model_config.depth} blocks, width {self.model_config.width}) on {self.device}"
-                    f"{', bf16 autocast' if self.autocast else ', fp32'}; {self.data_line}; "
+                    f"{', bf16 autocast' if self.autocast else ', fp32'}"
+                    f"{' (float32 logits)' if getattr(self.model.loss, 'float32_logits', False) else ''}; "
+                    f"{self.data_line}; "
                     f"unigram baseline {self.unigram:.3f} nats/token; {self.flops_per_token / 1e6:.1f} MFLOPs per "
                     f"training token, MFU against {self.peak_flops / 1e9:,.0f} GFLOP/s ({self.peak_source})")
         if self.layout is not None:
