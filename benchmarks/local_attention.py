@@ -7,6 +7,8 @@
     dense mask       one T x T boolean mask (sliding_window_attention_ref; O(T^2) memory)
     causal (global)  PyTorch's causal attention over all T keys, no mask: the work of global attention
     flex             torch.compile'd FlexAttention with a sliding-window block mask (--flex)
+    compiled         the chunked kernel under torch.compile, its chunks by the fused kernel and by attention_bmm
+                     (--compiled: what a compiled training step runs; chunks_by_bmm chooses between them)
 
 Each is timed forward and forward+backward (sum of the output), median of --repeats after a warm-up. "useful
 GFLOP/s" counts 4·d FLOPs per (query, key) pair the window lets a query see, whatever the kernel executes.
@@ -14,11 +16,13 @@ GFLOP/s" counts 4·d FLOPs per (query, key) pair the window lets a query see, wh
     python benchmarks/local_attention.py                      # CPU: B=4, T=2048/4096/8192, window 1024
     python benchmarks/local_attention.py --device cuda --dtype bfloat16 --batch 8 --heads 8 --flex
     python benchmarks/local_attention.py --lengths 4096 --window 256 --chunks-only --chunks 32 128 256   # sweep
+    python benchmarks/local_attention.py --compiled --batch 16 --heads 2 --lengths 256 --window 128   # griffin-cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +80,10 @@ def implementations(args: argparse.Namespace, T: int, device: torch.device) -> d
         f"chunked (C={min(local_chunk(W), T)})": lambda q, k, v: sliding_window_attention(q, k, v, W)}
     for c in args.chunks:
         impls[f"chunked, C = {c}"] = lambda q, k, v, c=c: sliding_window_attention(q, k, v, W, chunk=c)
+    if args.compiled:
+        for bmm in (False, True):
+            fn = torch.compile(functools.partial(sliding_window_attention, window=W, bmm=bmm), dynamic=False)
+            impls[f"compiled, chunks by {'attention_bmm' if bmm else 'fused SDPA'}"] = fn
     if args.chunks_only:
         return impls
     impls |= {
@@ -104,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex", action="store_true", help="also time compiled FlexAttention (compiles per T)")
     p.add_argument("--chunks", type=int, nargs="*", default=[], help="also time these chunk sizes")
     p.add_argument("--chunks-only", action="store_true", help="time the chunked kernel only (a chunk-size sweep)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the chunked kernel compiled, its chunks by the fused kernel and by attention_bmm")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

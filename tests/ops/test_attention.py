@@ -5,7 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from griffin.ops.attention import fused_sdpa, local_chunk, sliding_window_attention, sliding_window_attention_ref
+from griffin.ops.attention import (
+    chunks_by_bmm,
+    fused_sdpa,
+    local_chunk,
+    sliding_window_attention,
+    sliding_window_attention_ref,
+)
 from tests.conftest import DEVICES
 
 
@@ -23,7 +29,8 @@ def inputs(gen, B, T, P, H, Hk, d, dtype, segments, requires_grad=False):
 @pytest.mark.parametrize("trial", range(40))
 def test_matches_reference_float64(gen, trial):
     """Fresh random shapes: several chunks, a chunk that does not divide T, keys before the queries (a cache),
-    windows shorter and longer than a chunk, one or several key heads, with and without documents."""
+    windows shorter and longer than a chunk, one or several key heads, with and without documents; the chunks by
+    the fused kernel or (every other trial) by attention_bmm."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
 
     def pick(lo, hi):
@@ -33,7 +40,7 @@ def test_matches_reference_float64(gen, trial):
     H = [1, 2, 4][trial % 3]
     Hk = 1 if trial % 2 else H
     q, k, v, qs, ks = inputs(g, B, T, P, H, Hk, 8, torch.float64, segments=trial % 4 == 0)
-    out = sliding_window_attention(q, k, v, window, None, qs, ks, chunk=chunk)
+    out = sliding_window_attention(q, k, v, window, None, qs, ks, chunk=chunk, bmm=trial % 2 == 0)
     ref = sliding_window_attention_ref(q, k, v, window, None, qs, ks)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
@@ -41,15 +48,17 @@ def test_matches_reference_float64(gen, trial):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("segments", [False, True])
-def test_matches_float64_reference_with_gradients(gen, dtype, segments, device):
-    """Also on CUDA, where the chunks go through the fused (flash / memory-efficient) SDPA kernels."""
+@pytest.mark.parametrize("bmm", [False, True])
+def test_matches_float64_reference_with_gradients(gen, dtype, segments, device, bmm):
+    """Also on CUDA, where the chunks go through the fused (flash / memory-efficient) SDPA kernels; the chunks by
+    the fused kernel or by attention_bmm (float32 inside, the output in the inputs' dtype)."""
     B, T, P, H, d, window = 2, 157, 9, 4, 16, 37
     q, k, v, qs, ks = inputs(gen, B, T, P, H, 1, d, dtype, segments)
     q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
     qs, ks = (None, None) if qs is None else (qs.to(device), ks.to(device))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     dout = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64).to(device)
-    out = sliding_window_attention(q, k, v, window, 0.3, qs, ks, chunk=16)
+    out = sliding_window_attention(q, k, v, window, 0.3, qs, ks, chunk=16, bmm=bmm)
     ref = sliding_window_attention_ref(q64, k64, v64, window, 0.3, qs, ks)
     (out.double() * dout).sum().backward()
     (ref * dout).sum().backward()
@@ -57,6 +66,38 @@ def test_matches_float64_reference_with_gradients(gen, dtype, segments, device):
     assert out.dtype == dtype
     for got, want in [(out, ref), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)]:
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype, window, by_bmm", [(torch.bfloat16, 37, True), (torch.bfloat16, 300, False),
+                                                   (torch.float32, 37, False)])
+def test_compiled_cpu_step_attends_small_bf16_chunks_by_bmm(gen, monkeypatch, dtype, window, by_bmm):
+    """Under torch.compile on a CPU, bf16 chunks of at most BMM_MAX_SPAN keys go through attention_bmm, longer or
+    float32 ones through the fused kernel (never outside compilation); either way the reference's output and
+    gradients."""
+    import griffin.ops.attention as attention
+
+    chosen = []
+
+    def spy(q, span):
+        chosen.append(chunks_by_bmm(q, span))
+        return chosen[-1]
+
+    assert not chunks_by_bmm(torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16), 10)  # eager: the fused kernel
+    monkeypatch.setattr(attention, "chunks_by_bmm", spy)
+    q, k, v, qs, ks = inputs(gen, 2, 150, 0, 4, 1, 16, dtype, True, requires_grad=True)
+    fn = torch.compile(lambda q, k, v: attention.sliding_window_attention(q, k, v, window, None, qs, ks, chunk=64),
+                       backend="aot_eager", fullgraph=True)
+    out = fn(q, k, v)
+    assert chosen == [by_bmm]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = sliding_window_attention_ref(q64, k64, v64, window, None, qs, ks)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * dout).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * dout).sum(), (q64, k64, v64))
+    tol = 2e-5 if dtype == torch.float32 else 4e-2
+    assert out.dtype == dtype
+    for a, b in [(out, ref), *zip(got, want, strict=True)]:
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
 
 
 def test_gradcheck(gen):

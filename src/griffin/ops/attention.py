@@ -9,8 +9,10 @@ longer inputs go through PyTorch's fused attention (:func:`fused_sdpa`), its ref
 the C + window - 1 keys that can reach it, as one batched call of PyTorch's fused attention
 (:func:`fused_sdpa`: FlashAttention's CPU kernel, the memory-efficient kernel on CUDA). Memory is
 O(T · (C + window)), never a T × T mask or score matrix; the work is (C + window - 1) / window of the useful work,
-so C is a fraction of the window (:func:`local_chunk`). :func:`sliding_window_attention_ref` is the reference: one
-dense T × T mask, for tests.
+so C is a fraction of the window (:func:`local_chunk`). On a CPU under ``torch.compile``, bf16 (or fp16) chunks of at
+most :data:`BMM_MAX_SPAN` keys go through :func:`attention_bmm` instead (two batched matmuls with the masked softmax
+between, in float32, which the compiler fuses; the fused kernel's bf16 backward costs more at that size).
+:func:`sliding_window_attention_ref` is the reference: one dense T × T mask, for tests.
 
 Layout: q (B, T, H, d); k, v (B, P + T, H_kv, d), where the first P keys precede the first query (the tokens
 held in a cache, oldest first; P = 0 without one). Query t sits at key index P + t. Segments (document ids) are
@@ -27,6 +29,10 @@ from torch import Tensor
 # within the noise of the best chunk at every window measured, and smaller chunks lose to per-chunk overhead
 # (benchmarks/local_attention.py --chunks-only; docs/performance.md, "Local attention").
 MIN_CHUNK, MAX_CHUNK = 64, 256
+# Keys per chunk up to which compiled bf16 CPU steps attend by attention_bmm: the griffin-cpu chunks (64 queries, 191
+# keys) run faster so, chunks over 512-token windows slower; in float32 the fused kernel is as fast
+# (benchmarks/local_attention.py --compiled; docs/performance.md).
+BMM_MAX_SPAN = 256
 
 
 def local_chunk(window: int) -> int:
@@ -69,6 +75,28 @@ def fused_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scal
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
+def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+    """:func:`fused_sdpa` with a mask, as two batched matmuls with the masked softmax between, in float32 (or wider):
+    q (N, H, L, d) over k, v (N, H_kv, S, d); ``mask`` (L, S) or (N or 1, 1, L, S), True where a query sees a key.
+    The query heads sharing a key/value head are rows of one matmul (no copy of the keys per head). Holds the
+    (N, H, L, S) scores: for small blocks."""
+    N, H, L, d = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = d**-0.5 if scale is None else scale
+    scores = torch.matmul(q.to(acc).reshape(N, Hk, H // Hk * L, d), k.to(acc).transpose(-1, -2))
+    scores = scores.view(N, Hk, H // Hk, L, S) * scale
+    seen = mask if mask.dim() == 2 else mask[:, :, None]  # (L, S) or (N or 1, 1, 1, L, S)
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return torch.matmul(probs.view(N, Hk, H // Hk * L, S), v.to(acc)).view(N, H, L, d).to(q.dtype)
+
+
+def chunks_by_bmm(q: Tensor, span: int) -> bool:
+    """Whether :func:`sliding_window_attention` attends its chunks of ``span`` keys by :func:`attention_bmm`."""
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and span <= BMM_MAX_SPAN
+            and torch.compiler.is_compiling())
+
+
 def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
                                  q_seg: Tensor | None = None, k_seg: Tensor | None = None) -> Tensor:
     """The definition: one dense (T, P + T) mask, causal, within the window, same document."""
@@ -86,8 +114,10 @@ def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, s
 
 def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
                              q_seg: Tensor | None = None, k_seg: Tensor | None = None,
-                             chunk: int | None = None) -> Tensor:
-    """Local attention in chunks of ``chunk`` queries (default :func:`local_chunk`); see the module docstring."""
+                             chunk: int | None = None, bmm: bool | None = None) -> Tensor:
+    """Local attention in chunks of ``chunk`` queries (default :func:`local_chunk`); see the module docstring.
+    ``bmm``: attend the chunks by :func:`attention_bmm` (True) or the fused kernel (False); None: by
+    :func:`chunks_by_bmm`."""
     P = check_local_inputs(q, k, v, window, q_seg, k_seg)
     B, T, H, d = q.shape
     C = min(chunk or local_chunk(window), T)
@@ -110,6 +140,7 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale
         return t.unfold(1, span, C).permute(1, 0, 2, 4, 3).reshape(n * B, t.shape[2], span, d)
 
     qc, kc, vc = query_chunks(q), key_chunks(k), key_chunks(v)
+    attend = attention_bmm if (chunks_by_bmm(q, span) if bmm is None else bmm) else fused_sdpa
     j = torch.arange(C, device=q.device)[:, None]
     r = torch.arange(span, device=q.device)[None, :]
     band = (r >= j) & (r < j + window)  # (C, span): the same for every chunk
@@ -119,16 +150,16 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale
         ks = F.pad(k_seg[:, P - keep :], (front, back)).unfold(1, span, C)  # (B, n, span)
         same = (qs[..., :, None] == ks[..., None, :]) | (i + j >= T)
         mask = band & (i + r >= front) & same  # (B, n, C, span)
-        out = fused_sdpa(qc, kc, vc, mask.transpose(0, 1).reshape(n * B, 1, C, span), scale)
+        out = attend(qc, kc, vc, mask.transpose(0, 1).reshape(n * B, 1, C, span), scale)
     else:  # only the first chunks see zero keys: mask them per chunk, the rest with the shared band
         h = min(n, -(-front // C))
         outs = []
         if h:
             i = torch.arange(h, device=q.device)[:, None, None] * C
             head = (band & (i + r >= front))[:, None].expand(h, B, C, span).reshape(h * B, 1, C, span)
-            outs.append(fused_sdpa(qc[: h * B], kc[: h * B], vc[: h * B], head, scale))
+            outs.append(attend(qc[: h * B], kc[: h * B], vc[: h * B], head, scale))
         if h < n:
-            outs.append(fused_sdpa(qc[h * B :], kc[h * B :], vc[h * B :], band, scale))
+            outs.append(attend(qc[h * B :], kc[h * B :], vc[h * B :], band, scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = out.view(n, B, H, C, d).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, d)
     return out[:, :T]
