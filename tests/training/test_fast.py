@@ -154,3 +154,18 @@ def test_check_compiles_on_the_training_shape_without_touching_the_weights(tmp_p
     assert all(p.grad is None for p in trainer.model.parameters())
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="the compiled bf16 step needs a bf16 matmul")
+def test_a_bf16_compile_is_cached_across_processes(tmp_path):
+    """The bf16 step's graph holds autocast's enter/exit nodes (the float32 logits): marked cacheable, a second
+    compilation (after dynamo forgets the first, as a new process starts) is a hit of AOTAutograd's cache."""
+    from torch._dynamo.utils import counters
+
+    trainer = Trainer(config(tmp_path, "griffin", compile=True, precision="bf16", max_steps=1),
+                      source=TaskSource(TASK, 8, seed=0, eval_sequences=8))
+    trainer._check_compiles()  # a hit or a miss, by what ran before; saved either way
+    torch._dynamo.reset()
+    counters.clear()
+    trainer._check_compiles()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])

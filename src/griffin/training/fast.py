@@ -63,7 +63,10 @@ class CompiledStep(nn.Module):
         self.module = module
         self.fallback = fallback
         self.compiled = True
-        self._step: Callable[..., Any] = torch.compile(module)
+        # autocast's enter/exit nodes (the loss's float32 logits under bf16) are hashed with their constant arguments,
+        # but torch does not list them as cacheable: unmarked, every bf16 start skipped AOTAutograd's cache (5 s)
+        self._step: Callable[..., Any] = torch.compile(module, options={"unsafe_marked_cacheable_functions": {
+            f"torch.amp.autocast_mode.{name}": torch.__version__ for name in ("_enter_autocast", "_exit_autocast")}})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.exc import TorchDynamoException

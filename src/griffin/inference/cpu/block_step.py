@@ -834,6 +834,16 @@ class Stack:
     head_dim: int  # the attention blocks' (0: none)
 
 
+@kernel()
+def _typed_list(items):
+    """A typed list of a tuple's items (all of one type), built in a cached kernel: appended to from Python, the
+    list compiles its methods afresh in every process (seconds at the first decode step)."""
+    out = numba.typed.List()
+    for item in items:
+        out.append(item)
+    return out
+
+
 def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]], batch_size: int) -> Stack:
     """The blocks (in order: each its :class:`BlockStep`, its :class:`RecurrentWeights` or None for multi-query
     attention, and its cache: ``(conv_state, h)`` for a recurrent block as :func:`recurrent_step` takes them,
@@ -870,14 +880,7 @@ def stack_blocks(blocks: list[tuple[BlockStep, RecurrentWeights | None, object]]
             head_dim = d
             order.append((ATTENTION, len(attention)))
             attention.append((*shared, k_st, v_st, seg, cnt, local, scale, per_task))
-    lists = []
-    for items in (recurrent, attention):
-        typed = None
-        if items:
-            typed = numba.typed.List()
-            for item in items:
-                typed.append(item)
-        lists.append(typed)
+    lists = [_typed_list(tuple(items)) if items else None for items in (recurrent, attention)]
     return Stack(*lists, np.array(order, np.int64).reshape(-1, 2), first.width, first.dtype, batch_size, head_dim)
 
 
