@@ -11,11 +11,12 @@ against the trainer's peak (:func:`griffin.flops.peak_flops`: the ISA peak for t
 Cases: the ``{mqa,hawk,griffin}-synthetic`` presets (5 blocks, width 64, vocabulary 16) on induction heads at
 T = 256 with batches of 16 and 64, and on selective copying at T = 1024 with batches of 16; the main job's model
 (``griffin-cpu``, T = 256, batch 16) on the embedded corpus. ``--main-job`` also trains the README's main job to
-the end both ways (``griffin train`` and ``griffin train --compile``): wall time, compilation included, and the
-final validation loss of each.
+the end each way, each a ``griffin train`` process (``--compile``; ``--precision bf16`` with ``--bf16``; the
+``--base`` revision's too) after a short run that warms its caches: wall time from outside (imports, compilation
+and evaluations included) and the final validation loss of each.
 
     python benchmarks/train_small.py                      # every case, about 10 minutes on 2 cores
-    python benchmarks/train_small.py --main-job           # and the main job both ways (about 7 minutes more)
+    python benchmarks/train_small.py --main-job           # and the main job each way (about 7 minutes more)
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where each step's time goes
     python benchmarks/train_small.py --bf16 --main-job    # and the fast step under bf16 autocast (AVX-512-BF16 or AMX)
@@ -232,23 +233,35 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
     return row
 
 
-def main_job(root: Path, data: Path, threads: int, bf16: bool) -> dict[str, Any]:
-    """The README's main job (``griffin train``'s defaults on the embedded corpus) trained to the end both ways (and
-    with the fast step under bf16 autocast too, with ``bf16``)."""
-    result = {}
-    ways = [("reference", False, "fp32"), ("fast", True, "fp32")] + ([("fast_bf16", True, "bf16")] if bf16 else [])
-    for name, fast, precision in ways:
-        torch._dynamo.reset()
-        cfg = TrainConfig(data=str(data), out=str(root / f"main-{name}"), progress=False, tensorboard=False,
-                          threads=threads, compile=fast, precision=precision)
-        start = time.perf_counter()
-        run = Trainer(cfg).run()
-        result[name] = {"wall_s": time.perf_counter() - start, "val_loss": run.val_loss, "steps": run.step,
-                        "tokens_per_s": run.tokens_per_s}
+def main_job(root: Path, threads: int, bf16: bool, base_src: str | None, steps: int = 0) -> dict[str, Any]:
+    """The README's main job (``griffin train``'s defaults on the embedded corpus) trained to the end each way: the
+    reference step, the fast one (and in bf16, with ``bf16``), and the base revision's ``griffin train`` (with
+    ``base_src``). Each is a ``griffin train`` process timed from outside (imports, data preparation, compilation,
+    evaluations, checkpoints and the sample included), after a 2-step run of the same way that warms every cache
+    (Inductor's; the base revision's numba kernels, compiled into a cache of its own). ``steps``: a shorter job (0:
+    its own 300)."""
+    ways = [("reference", [], None), ("fast", ["--compile"], None)]
+    ways += [("fast_bf16", ["--compile", "--precision", "bf16"], None)] if bf16 else []
+    ways += [("base", [], base_src)] if base_src else []
+    result: dict[str, Any] = {}
+    for warm in (True, False):
+        for name, flags, src in ways:
+            out = root / f"main-{name}{'-warm' if warm else ''}"
+            command = [sys.executable, "-m", "griffin.cli", "train", "--out", str(out), "--no-tensorboard",
+                       "--threads", str(threads), *flags, *(["--max-steps", "2", "--eval-interval", "1"] * warm),
+                       *(["--max-steps", str(steps)] * (bool(steps) and not warm))]
+            env = dict(os.environ, **({"PYTHONPATH": src, "NUMBA_CACHE_DIR": str(root / "numba-base")} if src else {}))
+            start = time.perf_counter()
+            subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+            if not warm:
+                end = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()][-1]
+                result[name] = {"wall_s": time.perf_counter() - start, "val_loss": end["val_loss"],
+                                "steps": end["step"]}
     for name in [w[0] for w in ways[1:]]:
-        suffix = name.removeprefix("fast")
-        result[f"speedup{suffix}"] = result["reference"]["wall_s"] / result[name]["wall_s"]
-        result[f"val_loss_difference{suffix}"] = result[name]["val_loss"] - result["reference"]["val_loss"]
+        result[f"{name}_over_reference"] = result["reference"]["wall_s"] / result[name]["wall_s"]
+        result[f"{name}_val_loss_difference"] = result[name]["val_loss"] - result["reference"]["val_loss"]
+        if base_src and name != "base":
+            result[f"{name}_over_base"] = result["base"]["wall_s"] / result[name]["wall_s"]
     return result
 
 
@@ -261,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of reference and fast steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
-    p.add_argument("--main-job", action="store_true", help="also train the README's main job to the end both ways")
+    p.add_argument("--main-job", action="store_true", help="also train the README's main job to the end each way")
+    p.add_argument("--main-job-steps", type=int, default=0, help="a shorter main job (0: its own 300 steps)")
     p.add_argument("--bf16", action="store_true",
                    help="also the fast step under bf16 autocast (a CPU with a bf16 matmul: AVX-512-BF16 or AMX)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -297,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             args.base = short_rev(args.base)
             args.base_src = str(git_source(args.base, root / "base"))
         data = None
-        if "main-job" in args.cases or args.main_job:  # the embedded corpus, prepared once for every trainer
+        if "main-job" in args.cases:  # the embedded corpus, prepared once for every trainer
             from griffin.training.trainer import prepare_data
 
             data = prepare_data(TrainConfig(out=str(root / "prepare"), progress=False), root / "prepare")
@@ -307,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
         bar.close()
         if args.main_job:
-            job = main_job(root, data, args.threads, args.bf16)
+            job = main_job(root, args.threads, args.bf16, args.base_src if args.base else None, args.main_job_steps)
 
     print(table(rows, [("case", "case", "s"), ("parameters", "parameters", ",d"),
                        ("reference tok/s", "reference_tokens_per_s", ",.0f"),
@@ -327,13 +341,13 @@ def main(argv: list[str] | None = None) -> int:
             top = ", ".join(f"{name[:60]} {share:.1%}" for name, share in prof["top"])
             print(f"{row['case']}, {key} step, shares of self CPU time: {groups}; most: {top}")
     if job is not None:
-        ref = job["reference"]
-        print(f"main job (griffin train, {ref['steps']} steps): reference {ref['wall_s']:.0f} s to val loss"
-              f" {ref['val_loss']:.4f}, fast {job['fast']['wall_s']:.0f} s to "
-              f"{job['fast']['val_loss']:.4f}: {job['speedup']:.2f}x")
-        if "fast_bf16" in job:
-            print(f"main job, fast step in bf16: {job['fast_bf16']['wall_s']:.0f} s to val loss "
-                  f"{job['fast_bf16']['val_loss']:.4f}: {job['speedup_bf16']:.2f}x")
+        print(f"main job (griffin train, {job['reference']['steps']} steps, wall time of each process):")
+        for name in ("base", "reference", "fast", "fast_bf16"):
+            if name in job:
+                ratios = ", ".join(f"{job[key]:.2f}x over {over}" for over in ("reference", "base")
+                                   if (key := f"{name}_over_{over}") in job)
+                print(f"  {name}: {job[name]['wall_s']:.0f} s to validation loss {job[name]['val_loss']:.4f}"
+                      + (f" ({ratios})" if ratios else ""))
     write_json(args.out, {"machine": machine_info(torch.device("cpu")), "args": vars(args), "cases": rows,
                             "main_job": job})
     return 0

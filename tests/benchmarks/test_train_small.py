@@ -59,3 +59,18 @@ def test_the_base_revision_takes_its_turn_in_a_worker(tmp_path):
     assert Path(row["base_griffin"]).parts[-3:] == ("base", "src", "griffin")  # the extracted revision, not this tree
     assert row["base_threads_after"] == 1
     assert row["fast_over_base"] == pytest.approx(row["fast_tokens_per_s"] / row["base_tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_the_main_job_runs_each_way_as_a_griffin_train_process(tmp_path):
+    """--main-job: the reference, the compiled step and the base revision each trained by `griffin train` (a short
+    job here), their wall times and final validation losses recorded, the ratios computed from them."""
+    bench = load_benchmark("train_small")
+    out = tmp_path / "small.json"
+    assert bench.main(["--cases", "hawk-256x16", "--rounds", "1", "--steps", "1", "--warmup", "1", "--threads", "1",
+                       "--main-job", "--main-job-steps", "3", "--base", "HEAD", "--out", str(out)]) == 0
+    job = json.loads(out.read_text())["main_job"]
+    for way in ("reference", "fast", "base"):
+        assert job[way]["steps"] == 3 and job[way]["wall_s"] > 0 and 0 < job[way]["val_loss"] < 6
+    assert job["base"]["val_loss"] == pytest.approx(job["reference"]["val_loss"], abs=1e-3)  # HEAD: the same job
+    assert job["fast_over_base"] == pytest.approx(job["base"]["wall_s"] / job["fast"]["wall_s"])
