@@ -4,6 +4,7 @@ steps, what it refuses, the fallback it takes only when asked, and torch's threa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -156,16 +157,25 @@ def test_check_compiles_on_the_training_shape_without_touching_the_weights(tmp_p
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="the compiled bf16 step needs a bf16 matmul")
 def test_a_bf16_compile_is_cached_across_processes(tmp_path):
-    """The bf16 step's graph holds autocast's enter/exit nodes (the float32 logits): marked cacheable, a second
-    compilation (after dynamo forgets the first, as a new process starts) is a hit of AOTAutograd's cache."""
-    from torch._dynamo.utils import counters
-
-    trainer = Trainer(config(tmp_path, "griffin", compile=True, precision="bf16", max_steps=1),
-                      source=TaskSource(TASK, 8, seed=0, eval_sequences=8))
-    trainer._check_compiles()  # a hit or a miss, by what ran before; saved either way
-    torch._dynamo.reset()
-    counters.clear()
-    trainer._check_compiles()
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    """The bf16 step's graph holds autocast's enter/exit nodes (the float32 logits): marked cacheable, the second of
+    two processes compiling the same step (a fresh Inductor cache) hits AOTAutograd's cache."""
+    code = f"""
+import json, torch
+from torch._dynamo.utils import counters
+from griffin.synth import SelectiveCopying, TaskSource
+from griffin.training import TrainConfig, Trainer
+task = SelectiveCopying(seq_len=24, num_data=4)
+cfg = TrainConfig(preset="griffin-tiny", model={{"vocab_size": task.vocab_size}}, seq_len=24, batch_size=8,
+                  max_steps=1, out={str(tmp_path / "run")!r}, progress=False, tensorboard=False, sample_tokens=0,
+                  threads=1, data=f"synthetic:{{task.name}}", compile=True, precision="bf16")
+Trainer(cfg, source=TaskSource(task, 8, seed=0, eval_sequences=8))._check_compiles()
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      timeout=600, check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0].get("autograd_cache_saved") == 1, runs
+    assert runs[1].get("autograd_cache_hit") == 1, runs

@@ -30,8 +30,8 @@ from torch import Tensor
 # (benchmarks/local_attention.py --chunks-only; docs/performance.md, "Local attention").
 MIN_CHUNK, MAX_CHUNK = 64, 256
 # Keys per chunk up to which compiled bf16 CPU steps attend by attention_bmm: the griffin-cpu chunks (64 queries, 191
-# keys) run faster so, chunks over 512-token windows slower; in float32 the fused kernel is as fast
-# (benchmarks/local_attention.py --compiled; docs/performance.md).
+# keys) run faster so, chunks over 512-token windows slower; a float32 step gained nothing measurable
+# (benchmarks/local_attention.py --compiled; docs/performance.md, "Local attention").
 BMM_MAX_SPAN = 256
 
 
