@@ -104,7 +104,9 @@ def full_run(bases, tmp_path_factory) -> SimpleNamespace:
 
 
 def records(out: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    """The log's records of this kind, without their wall_s (the time since the run started)."""
+    return [{k: v for k, v in r.items() if k != "wall_s"}
+            for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def losses(out: Path) -> dict[int, float]:
