@@ -16,7 +16,7 @@ the end each way, each a ``griffin train`` process (``--compile``; ``--precision
 and evaluations included) and the final validation loss of each.
 
     python benchmarks/train_small.py                      # every case, about 10 minutes on 2 cores
-    python benchmarks/train_small.py --main-job           # and the main job each way (about 7 minutes more)
+    python benchmarks/train_small.py --main-job           # and the main job each way (about 10 minutes more)
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 5 --steps 10
     python benchmarks/train_small.py --cases hawk-256x16 --rounds 1 --profile 5   # where each step's time goes
     python benchmarks/train_small.py --bf16 --main-job    # and the fast step under bf16 autocast (AVX-512-BF16 or AMX)
@@ -243,13 +243,13 @@ def main_job(root: Path, threads: int, bf16: bool, base_src: str | None, steps: 
     ways = [("reference", [], None), ("fast", ["--compile"], None)]
     ways += [("fast_bf16", ["--compile", "--precision", "bf16"], None)] if bf16 else []
     ways += [("base", [], base_src)] if base_src else []
+    length = {True: ["--max-steps", "2", "--eval-interval", "1"], False: ["--max-steps", str(steps)] if steps else []}
     result: dict[str, Any] = {}
     for warm in (True, False):
         for name, flags, src in ways:
             out = root / f"main-{name}{'-warm' if warm else ''}"
             command = [sys.executable, "-m", "griffin.cli", "train", "--out", str(out), "--no-tensorboard",
-                       "--threads", str(threads), *flags, *(["--max-steps", "2", "--eval-interval", "1"] * warm),
-                       *(["--max-steps", str(steps)] * (bool(steps) and not warm))]
+                       "--threads", str(threads), *flags, *length[warm]]
             env = dict(os.environ, **({"PYTHONPATH": src, "NUMBA_CACHE_DIR": str(root / "numba-base")} if src else {}))
             start = time.perf_counter()
             subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:  # imports griffin from the revision it measures: nothing newer than this file's helpers
         worker(args.worker, args.threads)
         return 0
+    if args.main_job_steps < 0:
+        p.error(f"--main-job-steps={args.main_job_steps} must be at least 0 (0: the job's own 300 steps)")
     if args.profile < 0:
         p.error(f"--profile={args.profile} must be at least 0")
     for name in ("steps", "rounds"):
