@@ -9,7 +9,8 @@ saying how to resume. Anything else is a bug and shows its traceback (exit 1). `
 the traceback of every error.
 
 This module imports neither torch nor the model at its top: :func:`main` makes the process's OpenMP setting
-(:func:`griffin.threads.prefer_passive_openmp_wait`) before anything loads torch.
+(:func:`griffin.threads.prefer_passive_openmp_wait`, or for the commands that train
+:func:`griffin.threads.prefer_training_openmp_wait`) before anything loads torch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from griffin.arguments import renamed
-from griffin.threads import prefer_passive_openmp_wait
+from griffin.threads import prefer_passive_openmp_wait, prefer_training_openmp_wait
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
@@ -766,10 +767,17 @@ def _silence_stdout() -> None:
         pass
 
 
+#: The commands that train on CPU: torch's idle OpenMP workers spin briefly there (prefer_training_openmp_wait)
+TRAINING_COMMANDS = ("train", "finetune", "synth")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``griffin`` with ``argv`` and return the exit status (see the module docstring for the error policy).
-    OpenMP's idle threads sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, set before torch loads)."""
-    prefer_passive_openmp_wait()
+    OpenMP's idle threads sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, set before torch loads), but for
+    torch's in the commands that train (:func:`griffin.threads.prefer_training_openmp_wait`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # global options take no value
+    (prefer_training_openmp_wait if command in TRAINING_COMMANDS else prefer_passive_openmp_wait)()
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # read where griffin's kernels compile (griffin.ops.jit.verbose), children too
         import os

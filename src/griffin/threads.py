@@ -1,5 +1,5 @@
 """How the process's OpenMP threads wait: a setting for the program that runs griffin, made by an explicit call (the
-``griffin`` command makes it first thing). Imports nothing, so that it can run before torch is imported."""
+``griffin`` command makes it first thing). Imports nothing at its top, so that it can run before torch is imported."""
 
 from __future__ import annotations
 
@@ -31,4 +31,33 @@ def prefer_passive_openmp_wait() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
-__all__ = ["prefer_passive_openmp_wait"]
+#: How long torch's idle OpenMP workers spin (pause instructions, ``GOMP_SPINCOUNT``) in a process that trains on CPU
+TRAINING_SPINCOUNT = 20000
+
+
+def prefer_training_openmp_wait(spins: int = TRAINING_SPINCOUNT) -> None:
+    """For a process that trains on CPU (the ``griffin train``, ``finetune`` and ``synth`` commands): torch's idle
+    OpenMP workers spin about ``spins`` pause instructions before they sleep; numba's sleep at once, as with
+    :func:`prefer_passive_openmp_wait`, which this also makes.
+
+    A compiled training step runs hundreds of parallel regions (each generated kernel, each matmul) and under passive
+    waiting each one first wakes a sleeping worker; a short spin finds it awake (docs/performance.md, "OpenMP's wait
+    policy"). numba's workers stay passive so that they never spin against torch's, whose regions surround every
+    numba kernel.
+
+    Imports torch, whose runtime reads ``GOMP_SPINCOUNT`` as it loads, then removes the variable again: numba's
+    runtime (started by griffin's first parallel kernel) and child processes do not see it. No effect on torch if it
+    is already imported; the environment's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins (child processes of a
+    griffin command inherit its passive setting, and so keep it)."""
+    own = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+    prefer_passive_openmp_wait()
+    if own or spins <= 0:
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(spins)
+    try:
+        import torch  # noqa: F401  (loads torch's OpenMP runtime, which reads the setting now)
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
+
+
+__all__ = ["TRAINING_SPINCOUNT", "prefer_passive_openmp_wait", "prefer_training_openmp_wait"]

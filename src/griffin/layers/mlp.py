@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from griffin.layers.linear_group import LinearGroup
+from griffin.ops.gelu import gelu
 
 
 class GatedMLP(nn.Module):
@@ -32,4 +32,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(F.gelu(gate, approximate=self.gelu_approximation) * up)
+        return self.down_proj(gelu(gate, self.gelu_approximation) * up)

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from griffin.config import ModelConfig
@@ -14,6 +13,7 @@ from griffin.layers.context import Context
 from griffin.layers.conv1d import CausalConv1D, next_conv_state
 from griffin.layers.linear_group import LinearGroup
 from griffin.layers.rg_lru import CGLRU, RGLRU
+from griffin.ops.gelu import gelu
 
 
 @dataclass
@@ -64,7 +64,7 @@ class RecurrentBlock(nn.Module):
         """x: (B, T, D). Document starts (``ctx.reset``) reset the RG-LRU and, if configured, the Conv1D; padding's
         Conv1D inputs are zeroed. With ``cache`` (the state before x), the state after x is written back to it."""
         y, u = self.in_proj(x)
-        y = F.gelu(y, approximate=self.config.gelu_approximation)
+        y = gelu(y, self.config.gelu_approximation)
         if ctx.pad is not None:
             u = u.masked_fill(ctx.pad[..., None], 0.0)
         conv_reset = ctx.reset if self.config.conv1d_document_reset else None

@@ -190,6 +190,9 @@ def rg_lru_cpu(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: fl
                h0: Tensor | None = None, reset: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The fused RG-LRU on CPU tensors; same contract as :func:`griffin.ops.rg_lru.rg_lru_ref`. The decay's log
     maximum -c softplus(Lambda) is computed here, so that autograd carries its gradient on to Lambda."""
-    log_a_max = -c * F.softplus(a_param.to(accumulation_dtype(x.dtype)))
-    y, h_last, _ = rg_lru_cpu_fwd(x, gate_x, gate_a, log_a_max, h0, reset)
-    return y, h_last
+    acc = accumulation_dtype(x.dtype)
+    log_a_max = -c * F.softplus(a_param.to(acc))
+    # 16-bit inputs are widened here rather than inside the operator: under torch.compile the casts fuse into the
+    # kernels that produce the inputs and consume y (and in backward their gradients'), instead of copies of their own
+    y, h_last, _ = rg_lru_cpu_fwd(x.to(acc), gate_x.to(acc), gate_a.to(acc), log_a_max, h0, reset)
+    return y.to(x.dtype), h_last
