@@ -5,8 +5,10 @@ Each case builds two :class:`griffin.training.Trainer` of the same configuration
 reference: eager model, AdamW over per-tensor operators) and one with ``compile=True`` (griffin.training.fast:
 ``torch.compile`` of the model, fused AdamW), compiles the fast one, then times their ``train_step`` (batch,
 forward, loss, backward, clipping, update: the trainer's own step) in alternating rounds, so that a change of load
-on a shared host falls on both. Reported per case: tokens/s of each (the median round), the ratio, and the MFU
-against the trainer's peak (:func:`griffin.flops.peak_flops`: the ISA peak for torch's threads).
+on a shared host falls on both. Each waits for OpenMP work as its revision's ``griffin train`` does
+(:func:`griffin.threads.prefer_training_openmp_wait`; a ``--base`` revision older than it: passive). Reported per
+case: tokens/s of each (the median round), the ratio, and the MFU against the trainer's peak
+(:func:`griffin.flops.peak_flops`: the ISA peak for torch's threads).
 
 Cases: the ``{mqa,hawk,griffin}-synthetic`` presets (5 blocks, width 64, vocabulary 16) on induction heads at
 T = 256 with batches of 16 and 64, and on selective copying at T = 1024 with batches of 16; the main job's model
@@ -45,10 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import griffin.threads
 
-from griffin.synth import InductionHeads, SelectiveCopying, TaskSource
-from griffin.training import TrainConfig, Trainer
+USER_ENV = dict(os.environ)  # as given: the child processes (griffin train, the base worker) make their own setting
+# griffin train's OpenMP setting, before torch loads; the worker of a revision older than it (--base): passive, as
+# that revision's griffin train
+getattr(griffin.threads, "prefer_training_openmp_wait", griffin.threads.prefer_passive_openmp_wait)()
+import torch  # noqa: E402
+
+from griffin.synth import InductionHeads, SelectiveCopying, TaskSource  # noqa: E402
+from griffin.training import TrainConfig, Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import git_source, machine_info, progress, short_rev, table, write_json  # noqa: E402
@@ -161,7 +169,7 @@ class BaseStep:
     """The reference step of griffin at another revision (its source tree ``src``), for one case, in a worker."""
 
     def __init__(self, src: str, case: Case, threads: int, numba_cache: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": src, "NUMBA_CACHE_DIR": str(numba_cache)}
+        env = {**USER_ENV, "PYTHONPATH": src, "NUMBA_CACHE_DIR": str(numba_cache)}
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", case.name, "--threads", str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self.proc.stdout.readline()
@@ -250,7 +258,7 @@ def main_job(root: Path, threads: int, bf16: bool, base_src: str | None, steps: 
             out = root / f"main-{name}{'-warm' if warm else ''}"
             command = [sys.executable, "-m", "griffin.cli", "train", "--out", str(out), "--no-tensorboard",
                        "--threads", str(threads), *flags, *length[warm]]
-            env = dict(os.environ, **({"PYTHONPATH": src, "NUMBA_CACHE_DIR": str(root / "numba-base")} if src else {}))
+            env = dict(USER_ENV, **({"PYTHONPATH": src, "NUMBA_CACHE_DIR": str(root / "numba-base")} if src else {}))
             start = time.perf_counter()
             subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
             if not warm:
