@@ -20,8 +20,8 @@ GELU_CUBIC = 0.044715
 def gelu_tanh_by_sigmoid(x: Tensor) -> Tensor:
     """The tanh-approximated GeLU as x sigmoid(2 z), computed in float32 (or wider) and returned in x's dtype."""
     acc = x.to(torch.promote_types(x.dtype, torch.float32))
-    z = acc + GELU_CUBIC * acc * acc * acc
-    return (acc * torch.sigmoid((2.0 * SQRT_2_OVER_PI) * z)).to(x.dtype)
+    z = SQRT_2_OVER_PI * (acc + GELU_CUBIC * acc * acc * acc)
+    return (acc * torch.sigmoid(2.0 * z)).to(x.dtype)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
