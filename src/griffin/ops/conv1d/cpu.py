@@ -150,10 +150,13 @@ def conv1d_cpu(x: Tensor, w: Tensor, b: Tensor, reset: Tensor | None = None, sta
     offset = 0
     if state is not None:
         x, offset = torch.cat([state.to(x.dtype), x], dim=1), state.shape[1]
-    dtype = _out_dtype(x, w, b)
-    # x widened here rather than inside the operator, y rounded after it: under torch.compile these casts fuse into
-    # the neighbouring kernels (forward and backward) instead of running as copies of their own
-    return conv1d_cpu_fwd(x.to(accumulation_dtype(dtype)), w, b, reset, offset).to(dtype)
+    if torch.compiler.is_compiling():
+        # x widened here rather than inside the operator, y rounded after it: these casts fuse into the neighbouring
+        # kernels (forward and backward) instead of running as copies of their own; eager calls keep the operator's
+        # own widening, which saves the 16-bit x for backward
+        dtype = _out_dtype(x, w, b)
+        return conv1d_cpu_fwd(x.to(accumulation_dtype(dtype)), w, b, reset, offset).to(dtype)
+    return conv1d_cpu_fwd(x, w, b, reset, offset)
 
 
 __all__ = ["conv1d_cpu", "conv1d_cpu_bwd", "conv1d_cpu_fwd"]

@@ -192,7 +192,11 @@ def rg_lru_cpu(x: Tensor, gate_x: Tensor, gate_a: Tensor, a_param: Tensor, c: fl
     maximum -c softplus(Lambda) is computed here, so that autograd carries its gradient on to Lambda."""
     acc = accumulation_dtype(x.dtype)
     log_a_max = -c * F.softplus(a_param.to(acc))
-    # 16-bit inputs are widened here rather than inside the operator: under torch.compile the casts fuse into the
-    # kernels that produce the inputs and consume y (and in backward their gradients'), instead of copies of their own
-    y, h_last, _ = rg_lru_cpu_fwd(x.to(acc), gate_x.to(acc), gate_a.to(acc), log_a_max, h0, reset)
-    return y.to(x.dtype), h_last
+    if torch.compiler.is_compiling():
+        # 16-bit inputs widened here rather than inside the operator: the casts fuse into the kernels that produce the
+        # inputs and consume y (and in backward their gradients'), instead of copies of their own. Eager calls keep
+        # the operator's own widening, which saves the 16-bit inputs for backward (half the bytes)
+        y, h_last, _ = rg_lru_cpu_fwd(x.to(acc), gate_x.to(acc), gate_a.to(acc), log_a_max, h0, reset)
+        return y.to(x.dtype), h_last
+    y, h_last, _ = rg_lru_cpu_fwd(x, gate_x, gate_a, log_a_max, h0, reset)
+    return y, h_last
