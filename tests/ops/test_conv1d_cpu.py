@@ -112,3 +112,29 @@ def test_dispatch_and_bad_input(gen, monkeypatch):
         op.causal_conv1d(x, w, b, reset.int())
     with pytest.raises(ValueError, match=r"state must be \(2, K - 1, 5\)"):
         op.causal_conv1d(x, w, b, state=state[:1])
+
+
+def test_compiled_bf16_widens_before_the_operator_with_eager_numbers(gen):
+    """Under torch.compile the bf16 input reaches the operator widened to float32 (the cast is the compiler's to
+    fuse); the output and gradients equal the eager call's, which widens inside the operator, bit for bit."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.args[0].meta["example_value"].dtype for n in gm.graph.nodes
+                    if n.target is torch.ops.griffin.conv1d_cpu_fwd.default)
+        return gm.forward
+
+    x, w, b, reset, state = inputs(gen, 2, 29, 24, 4, torch.bfloat16, state_len=3)
+    g = torch.randn(2, 29, 24, generator=gen)
+
+    def grads(f):
+        for t in (x, w, b, state):
+            t.grad = None
+        y = f(x, w, b, reset, state)
+        (y.float() * g).sum().backward()
+        return [y.detach(), *(t.grad for t in (x, w, b, state))]
+
+    compiled = grads(torch.compile(conv1d_cpu, backend=backend, fullgraph=True))
+    assert seen == [torch.float32]
+    for got, want in zip(compiled, grads(conv1d_cpu), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)

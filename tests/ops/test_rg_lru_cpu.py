@@ -131,3 +131,21 @@ def test_typed_expm1_and_sigmoid_keep_their_precision_and_digits():
         assert (np.abs(s - sig) / np.maximum(sig, np.finfo(dtype).tiny)).max() < ulps * eps, dtype
         nan_e, nan_s = apply(np.array([np.nan], dtype=dtype))
         assert np.isnan(nan_e[0]) and np.isnan(nan_s[0])
+
+
+def test_compiled_bf16_widens_before_the_operator_with_eager_numbers(gen):
+    """Under torch.compile the 16-bit inputs reach the operator widened to float32 (the casts are the compiler's to
+    fuse); values and gradients equal the eager call's, which widens inside the operator, bit for bit."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.args[0].meta["example_value"].dtype for n in gm.graph.nodes
+                    if n.target is torch.ops.griffin.rg_lru_cpu_fwd.default)
+        return gm.forward
+
+    args = inputs(gen, 2, 37, 24, torch.bfloat16)
+    weights = torch.randn(2, 37, 24, generator=gen)
+    compiled = run(torch.compile(rg_lru_cpu, backend=backend, fullgraph=True), *args, weights)
+    assert seen == [torch.float32]
+    for got, want in zip(compiled, run(rg_lru_cpu, *args, weights), strict=True):
+        assert torch.equal(got, want)
