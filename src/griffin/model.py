@@ -14,6 +14,7 @@ from griffin.config import ModelConfig
 from griffin.layers import EMPTY, Context, GatedMLP, MultiQueryAttention, RecurrentBlock, RMSNorm
 from griffin.layers.rope import rope_angles
 from griffin.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy
+from griffin.ops.embedding import embed
 
 
 class ResidualBlock(nn.Module):
@@ -182,7 +183,7 @@ class CausalLM(nn.Module):
 
     # Forward --------------------------------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        x = self.embed(input_ids).to(self.dtype)  # a no-op, but for int8 embeddings' float32 rows
+        x = embed(self.embed, input_ids).to(self.dtype)  # a no-op, but for int8 embeddings' float32 rows
         return x * self.embed_multiplier if self.config.embed_scale else x
 
     def logits(self, h: Tensor) -> Tensor:
