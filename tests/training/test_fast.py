@@ -29,8 +29,8 @@ def config(out: Path, family: str, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def train_losses(cfg: TrainConfig) -> tuple[list[float], Trainer]:
-    trainer = Trainer(cfg, source=TaskSource(TASK, cfg.batch_size, seed=0, eval_sequences=8))
+def train_losses(cfg: TrainConfig, task=TASK) -> tuple[list[float], Trainer]:
+    trainer = Trainer(cfg, source=TaskSource(task, cfg.batch_size, seed=0, eval_sequences=8))
     trainer.run()
     records = [json.loads(line) for line in (Path(cfg.out) / "log.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r["kind"] == "train"], trainer
@@ -185,15 +185,11 @@ def test_the_compiled_step_gives_the_same_weights_twice_on_two_threads(tmp_path)
     """Two runs of the compiled step on two threads, the same seed: the same loss at every step and the same weights
     (the embedding's gradient was summed by atomic adds from both threads, in a different order each run)."""
     task = SelectiveCopying(seq_len=256, num_data=8)
-    runs = []
-    for name in ("a", "b"):
-        cfg = config(tmp_path / name, "hawk", preset="hawk-synthetic", compile=True, threads=2, seq_len=256,
-                     batch_size=16, max_steps=8, model={"vocab_size": task.vocab_size})
-        trainer = Trainer(cfg, source=TaskSource(task, cfg.batch_size, seed=0, eval_sequences=8))
-        trainer.run()
-        records = [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-        runs.append(([r["loss"] for r in records if r["kind"] == "train"], trainer.model.state_dict()))
-    (losses_a, weights_a), (losses_b, weights_b) = runs
+    (losses_a, a), (losses_b, b) = (
+        train_losses(config(tmp_path / name, "hawk", preset="hawk-synthetic", compile=True, threads=2, seq_len=256,
+                            batch_size=16, max_steps=8, model={"vocab_size": task.vocab_size}), task)
+        for name in ("a", "b"))
     assert losses_a == losses_b
-    for name, value in weights_a.items():
+    weights_b = b.model.state_dict()
+    for name, value in a.model.state_dict().items():
         assert torch.equal(value, weights_b[name]), name
