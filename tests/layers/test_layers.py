@@ -19,7 +19,7 @@ from griffin.layers import (
     RMSNorm,
 )
 from griffin.layers.recurrent_block import RecurrentBlock
-from griffin.layers.rope import apply_rope, rope_angles
+from griffin.layers.rope import apply_rope, rope_angles, rope_angles_cpu, rope_angles_ref
 from griffin.ops.attention import MAX_CHUNK
 from tests.conftest import rg_lru_formula, seed_torch
 
@@ -81,6 +81,74 @@ def test_rope_is_a_rotation_by_position(gen):
         return (apply_rope(q, cq.double(), sq.double()) * apply_rope(k, ck.double(), sk.double())).sum()
 
     torch.testing.assert_close(dot(10, 3), dot(107, 100), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_angles_are_one_operator_in_a_compiled_cpu_step(gen):
+    """Under torch.compile on a CPU the angles come from griffin::rope_angles_cpu (computed once, not recomputed by
+    Inductor inside the rotation of every q and k element), the reference's numbers bit for bit; eager calls are
+    the reference itself."""
+    positions = torch.randint(0, 5000, (3, 17), generator=gen)
+    torch.library.opcheck(rope_angles_cpu, (positions, 16, 10_000.0))
+    want = rope_angles_ref(positions, 16, 10_000.0)
+    assert all(torch.equal(a, b) for a, b in zip(rope_angles(positions, 16, 10_000.0), want, strict=True))
+    x = rand(gen, 3, 17, 2, 32, dtype=torch.float32).requires_grad_()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, p: (apply_rope(x, *rope_angles(p, 16, 10_000.0)), rope_angles(p, 16, 10_000.0)),
+                       fullgraph=True)
+    with torch.profiler.profile() as prof:
+        y, angles = fn(x, positions)
+        y.square().sum().backward()
+    assert any(e.name == "griffin::rope_angles_cpu" for e in prof.events())
+    assert all(torch.equal(a, b) for a, b in zip(angles, want, strict=True))
+    x_ref = x.detach().requires_grad_()
+    y_ref = apply_rope(x_ref, *want)
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("T, by_bmm", [(40, True), (300, False)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_cpu_global_attention_attends_short_bf16_sequences_by_bmm(gen, monkeypatch, T, by_bmm, packed):
+    """Global attention in a compiled bf16 CPU step: sequences of at most BMM_MAX_SPAN tokens through attention_bmm
+    (the causal mask, and the documents' when packed), longer ones through the fused kernel; either way the float64
+    layer's output and gradients within bf16's rounding."""
+    import griffin.layers.attention as attention
+    from griffin.ops.attention import chunks_by_bmm
+
+    chosen = []
+
+    def spy(q, span):
+        chosen.append(chunks_by_bmm(q, span))
+        return chosen[-1]
+
+    monkeypatch.setattr(attention, "chunks_by_bmm", spy)
+    cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa")
+    att = MultiQueryAttention(cfg, local=False).double()
+    B = 2
+    if packed:
+        reset = random_resets(gen, B, T, 0.05)
+        segments = torch.cumsum(reset, 1)
+        positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
+    else:
+        segments, positions = None, torch.arange(T).expand(B, T)
+    x = rand(gen, B, T, 32)
+    dout = rand(gen, B, T, 32)
+    want = att(x.requires_grad_(), attention_context(positions, segments, cfg, torch.float64))
+    want_grads = torch.autograd.grad((want * dout).sum(), [x, *att.parameters()])
+    att16 = MultiQueryAttention(cfg, local=False).to(torch.bfloat16)
+    att16.load_state_dict(att.state_dict())
+    x16 = x.detach().to(torch.bfloat16).requires_grad_()
+    assert chosen == [False]  # eager: the fused kernel
+    chosen.clear()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: att16(x, attention_context(positions, segments, cfg, torch.bfloat16)),
+                       backend="aot_eager", fullgraph=True)
+    out = fn(x16)
+    got_grads = torch.autograd.grad((out.double() * dout).sum(), [x16, *att16.parameters()])
+    assert chosen == [by_bmm]
+    for a, b in [(out, want), *zip(got_grads, want_grads, strict=True)]:
+        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
 
 
 def naive_attention(att: MultiQueryAttention, x, positions, segments, window):
