@@ -100,6 +100,37 @@ def test_compiled_cpu_step_attends_small_bf16_chunks_by_bmm(gen, monkeypatch, dt
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
 
 
+class FusedKernelDtypes(TorchDispatchMode):
+    """Records the dtype of the queries of each fused attention kernel that runs while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.name():
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_compiled_cpu_bf16_step_attends_long_chunks_by_the_fused_kernel_in_float32(gen, monkeypatch):
+    """Chunks of more than BMM_MAX_SPAN keys in a compiled bf16 CPU step: the fused kernel runs on float32 copies,
+    even under autocast (which would cast them back to bf16); the output is bf16, the reference's within its
+    rounding. (The choice is made while compiling: here it is made so in an eager call, to see the kernels run.)"""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q, k, v, qs, ks = inputs(gen, 2, 300, 0, 2, 1, 16, torch.bfloat16, False, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), FusedKernelDtypes() as kernels:
+        out = sliding_window_attention(q, k, v, 250, None, chunk=64)
+    assert kernels.dtypes and set(kernels.dtypes) == {torch.float32} and out.dtype == torch.bfloat16
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = sliding_window_attention_ref(q64, k64, v64, 250)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * dout).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * dout).sum(), (q64, k64, v64))
+    for a, b in [(out, ref), *zip(got, want, strict=True)]:
+        torch.testing.assert_close(a.double(), b, rtol=4e-2, atol=4e-2)
+
+
 def test_gradcheck(gen):
     q, k, v, qs, ks = inputs(gen, 2, 13, 3, 2, 1, 4, torch.float64, segments=True, requires_grad=True)
     assert torch.autograd.gradcheck(

@@ -11,7 +11,8 @@ the C + window - 1 keys that can reach it, as one batched call of PyTorch's fuse
 O(T · (C + window)), never a T × T mask or score matrix; the work is (C + window - 1) / window of the useful work,
 so C is a fraction of the window (:func:`local_chunk`). On a CPU under ``torch.compile``, bf16 (or fp16) chunks of at
 most :data:`BMM_MAX_SPAN` keys go through :func:`attention_bmm` instead (two batched matmuls with the masked softmax
-between, in float32, which the compiler fuses; the fused kernel's bf16 backward costs more at that size).
+between, which the compiler fuses; the fused kernel's bf16 backward costs more at that size), and longer chunks through
+the fused kernel in float32 (:func:`fused_sdpa_float32`: under a mask its float32 kernels beat its bf16 ones).
 :func:`sliding_window_attention_ref` is the reference: one dense T × T mask, for tests.
 
 Layout: q (B, T, H, d); k, v (B, P + T, H_kv, d), where the first P keys precede the first query (the tokens
@@ -76,8 +77,10 @@ def fused_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scal
 
 
 def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
-    """:func:`fused_sdpa` with a mask, as two batched matmuls with the masked softmax between, in float32 (or wider):
-    q (N, H, L, d) over k, v (N, H_kv, S, d); ``mask`` (L, S) or (N or 1, 1, L, S), True where a query sees a key.
+    """:func:`fused_sdpa` with a mask, as two batched matmuls with the masked softmax between, in float32 (or wider)
+    outside autocast: q (N, H, L, d) over k, v (N, H_kv, S, d); ``mask`` (L, S) or (N or 1, 1, L, S), True where a
+    query sees a key. Under bf16 autocast (a bf16 training step) autocast runs the matmuls in bf16, so the scores and
+    probabilities are bf16: kept so for speed (float32 scores against bf16: docs/performance.md, "Local attention").
     The query heads sharing a key/value head are rows of one matmul (no copy of the keys per head). Holds the
     (N, H, L, S) scores: for small blocks."""
     N, H, L, d = q.shape
@@ -91,10 +94,22 @@ def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
     return torch.matmul(probs.view(N, Hk, H // Hk * L, S), v.to(acc)).view(N, H, L, d).to(q.dtype)
 
 
+def fused_sdpa_float32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
+                       causal: bool = False) -> Tensor:
+    """:func:`fused_sdpa` on float32 copies of half-precision inputs, the output in their dtype (outside autocast,
+    which would cast them back)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return fused_sdpa(q.float(), k.float(), v.float(), mask, scale, causal).to(q.dtype)
+
+
+def compiled_cpu_half(q: Tensor) -> bool:
+    """Whether ``q`` is a bf16 (or fp16) CPU tensor in a step being compiled: where the choices below apply."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling()
+
+
 def chunks_by_bmm(q: Tensor, span: int) -> bool:
     """Whether :func:`sliding_window_attention` attends its chunks of ``span`` keys by :func:`attention_bmm`."""
-    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and span <= BMM_MAX_SPAN
-            and torch.compiler.is_compiling())
+    return compiled_cpu_half(q) and span <= BMM_MAX_SPAN
 
 
 def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
@@ -140,7 +155,10 @@ def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale
         return t.unfold(1, span, C).permute(1, 0, 2, 4, 3).reshape(n * B, t.shape[2], span, d)
 
     qc, kc, vc = query_chunks(q), key_chunks(k), key_chunks(v)
-    attend = attention_bmm if (chunks_by_bmm(q, span) if bmm is None else bmm) else fused_sdpa
+    if chunks_by_bmm(q, span) if bmm is None else bmm:
+        attend = attention_bmm
+    else:  # masked chunks in half precision: the fused CPU kernel is faster in float32 in a compiled step
+        attend = fused_sdpa_float32 if compiled_cpu_half(q) else fused_sdpa
     j = torch.arange(C, device=q.device)[:, None]
     r = torch.arange(span, device=q.device)[None, :]
     band = (r >= j) & (r < j + window)  # (C, span): the same for every chunk
