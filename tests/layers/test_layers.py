@@ -19,6 +19,7 @@ from griffin.layers import (
     RMSNorm,
 )
 from griffin.layers.recurrent_block import RecurrentBlock
+from griffin.layers.rg_lru import DENSE_GATES_MAX_WIDTH, dense_gates
 from griffin.layers.rope import apply_rope, rope_angles, rope_angles_cpu, rope_angles_ref
 from griffin.ops.attention import MAX_CHUNK
 from tests.conftest import rg_lru_formula, seed_torch
@@ -398,6 +399,49 @@ def test_block_diagonal_linear_any_leading_shape(gen, dtype):
         expected = x.to(dtype).double() @ dense.to(dtype).double() + lin.b.double().reshape(-1)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(y.double(), expected, atol=tol, rtol=tol)
+
+
+def test_dense_gates_equal_each_block_diagonal_gate(gen):
+    """One dense matmul with the gates' block-diagonal weights side by side: each gate's output and every gradient
+    as the gates' own batched matmuls, in float64."""
+    gates = [BlockDiagonalLinear(24, 24, 3).double() for _ in range(2)]
+    for g in gates:
+        torch.nn.init.normal_(g.b)
+    x = rand(gen, 2, 7, 24).requires_grad_()
+    dout = [rand(gen, 2, 7, 24) for _ in gates]
+    params = [x, *(p for g in gates for p in g.parameters())]
+    got = dense_gates(x, *gates)
+    want = [g(x) for g in gates]
+    grads = [torch.autograd.grad(sum((y * d).sum() for y, d in zip(ys, dout, strict=True)), params)
+             for ys in (got, want)]
+    for a, b in [*zip(got, want, strict=True), *zip(*grads, strict=True)]:
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("width, dense", [(DENSE_GATES_MAX_WIDTH, True), (2 * DENSE_GATES_MAX_WIDTH, False)])
+def test_compiled_cpu_rg_lru_computes_narrow_gates_densely(gen, monkeypatch, width, dense):
+    """In a compiled CPU step an RG-LRU up to DENSE_GATES_MAX_WIDTH wide takes its gates from dense_gates, a wider
+    one (and every eager call) from the gates themselves; the compiled output and gradients are the eager ones."""
+    import griffin.layers.rg_lru as module
+
+    calls = []
+
+    def spy(*args):
+        calls.append(True)
+        return dense_gates(*args)
+
+    monkeypatch.setattr(module, "dense_gates", spy)
+    lru = RGLRU(width, 8)
+    x = rand(gen, 2, 9, width, dtype=torch.float32).requires_grad_()
+    want = lru(x)[0]
+    assert not calls
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *lru.parameters()])
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: lru(x)[0], fullgraph=True)(x)
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *lru.parameters()])
+    assert calls == ([True] if dense else [])
+    for a, b in [(got, want), *zip(got_grads, want_grads, strict=True)]:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)

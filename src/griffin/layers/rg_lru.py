@@ -1,4 +1,8 @@
-"""The Real-Gated Linear Recurrent Unit (Section 2.4) and its complex variant, the CG-LRU (Appendix B)."""
+"""The Real-Gated Linear Recurrent Unit (Section 2.4) and its complex variant, the CG-LRU (Appendix B).
+
+In a compiled CPU step an RG-LRU of width at most :data:`DENSE_GATES_MAX_WIDTH` computes its two block-diagonal gates
+as one dense matmul (:func:`dense_gates`, the zero blocks multiplied too): at that width one small matmul costs less
+than two batched matmuls over blocks of a few channels and the copies around them (benchmarks/gates_cpu.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,10 @@ from torch import Tensor, nn
 
 from griffin.ops.rg_lru import rg_lru, rg_lru_gates, sqrt_bound_derivative
 from griffin.ops.scan import linear_scan
+
+# Widths up to which a compiled CPU step computes the RG-LRU's gates by dense_gates (benchmarks/gates_cpu.py;
+# docs/performance.md, "Small-model training").
+DENSE_GATES_MAX_WIDTH = 64
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -37,6 +45,13 @@ class BlockDiagonalLinear(nn.Module):
         xb = x.reshape(-1, self.w.shape[0], self.w.shape[1]).transpose(0, 1)  # (blocks, N, in/blocks)
         y = torch.baddbmm(self.b[:, None, :], xb, self.w)  # (blocks, N, out/blocks)
         return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
+
+
+def dense_gates(x: Tensor, *gates: BlockDiagonalLinear) -> tuple[Tensor, ...]:
+    """``gate(x)`` for each gate, from one dense matmul of x with their block-diagonal weights side by side."""
+    w = torch.cat([torch.block_diag(*g.w) for g in gates], 1)
+    b = torch.cat([g.b.flatten() for g in gates])
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1).chunk(len(gates), -1)
 
 
 def init_a_param(a_param: Tensor, min_rad: float, max_rad: float, rule: str = "ring", c: float = 8.0,
@@ -73,7 +88,11 @@ class RGLRU(nn.Module):
 
     def forward(self, x: Tensor, reset: Tensor | None = None, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: (B, T, width); reset: (B, T) document starts; h0: (B, width). Returns (y, h_last)."""
-        return rg_lru(x, self.input_gate(x), self.a_gate(x), self.a_param, self.c, h0, reset)
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[-1] <= DENSE_GATES_MAX_WIDTH:
+            gate_x, gate_a = dense_gates(x, self.input_gate, self.a_gate)
+        else:
+            gate_x, gate_a = self.input_gate(x), self.a_gate(x)
+        return rg_lru(x, gate_x, gate_a, self.a_param, self.c, h0, reset)
 
     def decay(self, x: Tensor) -> Tensor:
         """a_t = a^(c r_t) for the inputs x (B, T, width), in the accumulation dtype: the fraction of the state each
