@@ -7,8 +7,9 @@
     dense mask       one T x T boolean mask (sliding_window_attention_ref; O(T^2) memory)
     causal (global)  PyTorch's causal attention over all T keys, no mask: the work of global attention
     flex             torch.compile'd FlexAttention with a sliding-window block mask (--flex)
-    compiled         the chunked kernel under torch.compile, its chunks by the fused kernel and by attention_bmm
-                     (--compiled: what a compiled training step runs; chunks_by_bmm chooses between them)
+    compiled         the chunked kernel under torch.compile, its chunks by the fused kernel (in float32 for bf16
+                     inputs, as a compiled CPU step runs it; and in bf16) and by attention_bmm (--compiled: what a
+                     compiled training step runs; chunks_by_bmm chooses between them)
 
 Each is timed forward and forward+backward (sum of the output), median of --repeats after a warm-up. "useful
 GFLOP/s" counts 4·d FLOPs per (query, key) pair the window lets a query see, whatever the kernel executes.
@@ -30,10 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import griffin.ops.attention as attention
 from griffin.ops.attention import local_chunk, sliding_window_attention, sliding_window_attention_ref
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, median_time, sync, write_json  # noqa: E402
+from common import machine_info, median_time, module_setting, sync, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,6 +86,14 @@ def implementations(args: argparse.Namespace, T: int, device: torch.device) -> d
         for bmm in (False, True):
             fn = torch.compile(functools.partial(sliding_window_attention, window=W, bmm=bmm), dynamic=False)
             impls[f"compiled, chunks by {'attention_bmm' if bmm else 'fused SDPA'}"] = fn
+        if args.dtype != "float32":  # the fused kernel in the inputs' dtype: what the step ran before it upcast
+            fn = torch.compile(functools.partial(sliding_window_attention, window=W, bmm=False), dynamic=False)
+
+            def in_half(q, k, v, fn=fn):
+                with module_setting(attention, "compiled_cpu_half", lambda q: False):
+                    return fn(q, k, v)
+
+            impls[f"compiled, chunks by fused SDPA in {args.dtype}"] = in_half
     if args.chunks_only:
         return impls
     impls |= {

@@ -124,7 +124,9 @@ GROUPS = {"inductor": ("cpp_fused",), "rg_lru": ("rg_lru_cpu",), "conv1d": ("con
 def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
     """Shares of ``steps`` training steps' self CPU time (torch.profiler): the matmuls, each of :data:`GROUPS` (the
     first that matches: a generated kernel named after the griffin operator it feeds counts as Inductor's), and the
-    eight operators that take the most."""
+    eight operators that take the most; and the model's FLOPs per step over the matmuls' time per step (what the
+    step's matmuls compute per second if they did all its arithmetic; on one thread, where self CPU time is wall
+    time)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -142,7 +144,10 @@ def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
     for key, value in ops.items():
         if (name := group(key)) is not None:
             shares[name] += value / total
-    return {**shares, "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
+    matmul_s = shares["matmuls"] * total / 1e6 / steps
+    flops = t.flops_per_token * t.cfg.batch_size * t.cfg.seq_len
+    return {**shares, "matmul_s_per_step": matmul_s, "flops_over_matmul_time": flops / matmul_s,
+            "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
 
 
 # The base revision's reference step: a worker process that imports that version of griffin -------------------------
@@ -349,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, prof in row.get("profiles", {}).items():
             groups = ", ".join(f"{name} {prof[name]:.1%}" for name in ("matmuls", *GROUPS))
             top = ", ".join(f"{name[:60]} {share:.1%}" for name, share in prof["top"])
-            print(f"{row['case']}, {key} step, shares of self CPU time: {groups}; most: {top}")
+            print(f"{row['case']}, {key} step, shares of self CPU time: {groups}; model FLOPs over the matmuls' "
+                  f"time {prof['flops_over_matmul_time'] / 1e9:.0f} GFLOP/s; most: {top}")
     if job is not None:
         print(f"main job (griffin train, {job['reference']['steps']} steps, wall time of each process):")
         for name in ("base", "reference", "fast", "fast_bf16"):

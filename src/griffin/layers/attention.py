@@ -14,7 +14,7 @@ from griffin.config import ModelConfig
 from griffin.layers.context import EMPTY, Context
 from griffin.layers.linear_group import LinearGroup
 from griffin.layers.rope import apply_rope
-from griffin.ops.attention import attention_bmm, chunks_by_bmm, fused_sdpa, masked_attention, sliding_window_attention
+from griffin.ops.attention import causal_attention, masked_attention, sliding_window_attention
 
 
 @register_jitable
@@ -116,14 +116,7 @@ class MultiQueryAttention(nn.Module):
         if window is not None and window < T:
             return sliding_window_attention(q, k, v, window, scale, segments, segments)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        bmm = chunks_by_bmm(q, T)
-        if segments is None and not bmm:
-            return fused_sdpa(q, k, v, None, scale, causal=True).transpose(1, 2)
-        idx = torch.arange(T, device=q.device)
-        mask = idx[:, None] >= idx[None, :]  # (T, T)
-        if segments is not None:
-            mask = (mask & (segments[:, :, None] == segments[:, None, :]))[:, None]  # (B, 1, T, T)
-        return (attention_bmm if bmm else fused_sdpa)(q, k, v, mask, scale).transpose(1, 2)
+        return causal_attention(q, k, v, scale, segments, segments).transpose(1, 2)
 
     def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, cache: KVCache) -> Tensor:
         """Local attention over the ring buffer, then the new tokens replace the oldest. One token per row: the ring

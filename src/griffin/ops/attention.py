@@ -34,6 +34,11 @@ MIN_CHUNK, MAX_CHUNK = 64, 256
 # keys) run faster so, chunks over 512-token windows slower; a float32 step gained nothing measurable
 # (benchmarks/local_attention.py --compiled; docs/performance.md, "Local attention").
 BMM_MAX_SPAN = 256
+# Global causal attention in a compiled bf16 CPU step, up to CAUSAL_BMM_MAX_LEN tokens: by attention_bmm, in one
+# call up to BMM_MAX_SPAN tokens, beyond in chunks of CAUSAL_BMM_CHUNK queries, each over the keys up to its last
+# query (A/B of the compiled MQA step, benchmarks/train_small.py; docs/performance.md, "Small-model training");
+# longer sequences through the fused kernel.
+CAUSAL_BMM_CHUNK, CAUSAL_BMM_MAX_LEN = 64, 1024
 
 
 def local_chunk(window: int) -> int:
@@ -110,6 +115,37 @@ def compiled_cpu_half(q: Tensor) -> bool:
 def chunks_by_bmm(q: Tensor, span: int) -> bool:
     """Whether :func:`sliding_window_attention` attends its chunks of ``span`` keys by :func:`attention_bmm`."""
     return compiled_cpu_half(q) and span <= BMM_MAX_SPAN
+
+
+def causal_by_bmm(q: Tensor) -> bool:
+    """Whether :func:`causal_attention` attends q (N, H, T, d) by chunks through :func:`attention_bmm`."""
+    return compiled_cpu_half(q) and q.shape[2] <= CAUSAL_BMM_MAX_LEN
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, q_seg: Tensor | None = None,
+                     k_seg: Tensor | None = None, chunk: int | None = None) -> Tensor:
+    """Causal attention of q (N, H, T, d) over k, v (N, H_kv, T, d), within each document if given segments q_seg,
+    k_seg (N, T). With ``chunk`` (default where :func:`causal_by_bmm`: T up to :data:`BMM_MAX_SPAN`, else
+    :data:`CAUSAL_BMM_CHUNK`): queries in chunks of that many, chunk i through :func:`attention_bmm` over the keys
+    up to its last query, the later ones being masked for all of it: (n + 1) / 2n of the whole T x T score work
+    for n chunks, and scores that stay in cache. Else :func:`fused_sdpa`, its reference."""
+    T = q.shape[2]
+    if chunk is None and causal_by_bmm(q):
+        chunk = T if T <= BMM_MAX_SPAN else CAUSAL_BMM_CHUNK
+    idx = torch.arange(T, device=q.device)
+    if chunk is None:
+        if q_seg is None:
+            return fused_sdpa(q, k, v, None, scale, causal=True)
+        mask = (idx[:, None] >= idx[None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
+        return fused_sdpa(q, k, v, mask[:, None], scale)
+    outs = []
+    for lo in range(0, T, chunk):
+        hi = min(lo + chunk, T)
+        mask = idx[lo:hi, None] >= idx[None, :hi]  # (C, hi)
+        if q_seg is not None:
+            mask = (mask & (q_seg[:, lo:hi, None] == k_seg[:, None, :hi]))[:, None]  # (N, 1, C, hi)
+        outs.append(attention_bmm(q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], mask, scale))
+    return torch.cat(outs, 2)
 
 
 def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
