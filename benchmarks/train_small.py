@@ -27,7 +27,10 @@ and evaluations included) and the final validation loss of each.
 ``--base REV`` adds the reference step of another git revision of griffin (the code as it was when the speed goal was
 set, say), measured in a worker process that imports that version (``git archive``, a numba cache of its own) and
 takes its turn in the same alternating rounds: the ratios against it are what the changes since REV bought, the
-thread count it ended with is reported (a version that lost ``--threads`` shows it here).
+thread count it ended with is reported (a version that lost ``--threads`` shows it here). ``--base-step fast_bf16``
+(or ``fast``) times that revision's compiled step instead: what a change of the fast path bought.
+
+    python benchmarks/train_small.py --cases mqa-1024x16 --bf16 --base 0c3c8ca --base-step fast_bf16 --threads 1
 
 Writes JSON (``--out``, default benchmarks/results/train_small.json).
 """
@@ -150,11 +153,15 @@ def profile_shares(t: Trainer, steps: int) -> dict[str, Any]:
             "top": [(k, v / total) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8]]}
 
 
-# The base revision's reference step: a worker process that imports that version of griffin -------------------------
-def worker(case_name: str, threads: int) -> None:
-    """Build ``case_name``'s reference trainer with the griffin on ``PYTHONPATH`` (this file's helpers use only what
-    older versions have too), then answer each line ``N`` on stdin with the tokens/s of N steps and the thread count
-    torch has after them."""
+# The base revision's step: a worker process that imports that version of griffin -------------------------------------
+# the kinds of step a base revision's worker can time: (compiled, precision)
+BASE_STEPS = {"reference": (False, "fp32"), "fast": (True, "fp32"), "fast_bf16": (True, "bf16")}
+
+
+def worker(case_name: str, threads: int, step: str = "reference") -> None:
+    """Build ``case_name``'s trainer of kind ``step`` (:data:`BASE_STEPS`) with the griffin on ``PYTHONPATH`` (this
+    file's helpers use only what older versions have too; the compiled steps need a version that has them), then
+    answer each line ``N`` on stdin with the tokens/s of N steps and the thread count torch has after them."""
     from griffin.training.trainer import prepare_data
 
     case = cases()[case_name]
@@ -163,7 +170,10 @@ def worker(case_name: str, threads: int) -> None:
         data = None
         if case.task is None:
             data = prepare_data(TrainConfig(out=str(root / "prepare"), progress=False), root / "prepare")
-        t = trainer(case, root / "run", data, False, threads)
+        fast, precision = BASE_STEPS[step]
+        t = trainer(case, root / "run", data, fast, threads, precision)
+        if fast:
+            t._check_compiles()
         print(json.dumps({"griffin": str(Path(sys.modules["griffin"].__file__).parent)}), flush=True)
         for line in sys.stdin:
             tokens_per_s = rate(t, int(line))
@@ -171,11 +181,12 @@ def worker(case_name: str, threads: int) -> None:
 
 
 class BaseStep:
-    """The reference step of griffin at another revision (its source tree ``src``), for one case, in a worker."""
+    """A step of griffin at another revision (its source tree ``src``), for one case, in a worker."""
 
-    def __init__(self, src: str, case: Case, threads: int, numba_cache: Path) -> None:
+    def __init__(self, src: str, case: Case, threads: int, numba_cache: Path, step: str = "reference") -> None:
         env = {**USER_ENV, "PYTHONPATH": src, "NUMBA_CACHE_DIR": str(numba_cache)}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", case.name, "--threads", str(threads)],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", case.name, "--threads", str(threads),
+                                      "--base-step", step],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self.proc.stdout.readline()
         if not ready:
@@ -200,7 +211,8 @@ class BaseStep:
 
 def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()  # each case compiles a new model: no cache limit reached (past it dynamo runs eagerly)
-    base = BaseStep(args.base_src, case, args.threads, root / f"numba-{case.name}") if args.base else None
+    base = (BaseStep(args.base_src, case, args.threads, root / f"numba-{case.name}", args.base_step)
+            if args.base else None)
     ref = trainer(case, root / f"{case.name}-ref", data, False, args.threads)
     steps = {"reference": ref, "fast": trainer(case, root / f"{case.name}-fast", data, True, args.threads)}
     if args.bf16:
@@ -238,7 +250,8 @@ def measure(case: Case, root: Path, data: Path | None, args: argparse.Namespace)
     if args.bf16:
         row["bf16_speedup"] = row["fast_bf16_tokens_per_s"] / row["reference_tokens_per_s"]
     if base is not None:
-        row.update(base_revision=args.base, base_griffin=base.griffin, base_threads_after=base.threads)
+        row.update(base_revision=args.base, base_step=args.base_step, base_griffin=base.griffin,
+                   base_threads_after=base.threads)
         for key in steps:
             row[f"{key}_over_base"] = row[f"{key}_tokens_per_s"] / row["base_tokens_per_s"]
     if args.profile:
@@ -296,12 +309,15 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels, Inductor's kernels and copies (Inductor's kernels then carry profiler markers, "
                         "in the timed rounds too)")
     p.add_argument("--base", metavar="REV", default=None,
-                   help="also the reference step of this git revision of griffin, in a worker process")
+                   help="also a step of this git revision of griffin, in a worker process")
+    p.add_argument("--base-step", choices=sorted(BASE_STEPS), default="reference",
+                   help="the base revision's step: its reference, or its compiled step in fp32 or bf16 (what a "
+                        "change of the fast path bought)")
     p.add_argument("--out", default="benchmarks/results/train_small.json", help="JSON result")
     p.add_argument("--worker", metavar="CASE", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:  # imports griffin from the revision it measures: nothing newer than this file's helpers
-        worker(args.worker, args.threads)
+        worker(args.worker, args.threads, args.base_step)
         return 0
     if args.main_job_steps < 0:
         p.error(f"--main-job-steps={args.main_job_steps} must be at least 0 (0: the job's own 300 steps)")
@@ -345,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("fast MFU", "fast_mfu", ".1%"), ("compile s", "compile_s", ".0f")]
                 + ([("fast bf16 tok/s", "fast_bf16_tokens_per_s", ",.0f"), ("bf16 / reference", "bf16_speedup", ".2f"),
                     ("fast bf16 MFU", "fast_bf16_mfu", ".1%")] if args.bf16 else [])
-                + ([(f"{args.base} tok/s", "base_tokens_per_s", ",.0f"), ("its threads", "base_threads_after", "d"),
+                + ([(f"{args.base}{'' if args.base_step == 'reference' else ' ' + args.base_step} tok/s",
+                     "base_tokens_per_s", ",.0f"), ("its threads", "base_threads_after", "d"),
                     ("reference / base", "reference_over_base", ".2f"), ("fast / base", "fast_over_base", ".2f")]
                    + ([("bf16 / base", "fast_bf16_over_base", ".2f")] if args.bf16 else []) if args.base else [])))
     if rows:

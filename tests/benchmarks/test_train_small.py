@@ -49,13 +49,15 @@ def test_an_unknown_base_revision_is_refused_by_name(capsys):
 
 
 @pytest.mark.slow
-def test_the_base_revision_takes_its_turn_in_a_worker(tmp_path):
+@pytest.mark.parametrize("step", ["reference", "fast"])
+def test_the_base_revision_takes_its_turn_in_a_worker(tmp_path, step):
+    """--base HEAD: that revision's step (its reference, or with --base-step its compiled one) in its own worker."""
     bench = load_benchmark("train_small")
     out = tmp_path / "small.json"
     assert bench.main(["--cases", "hawk-256x16", "--rounds", "2", "--steps", "1", "--warmup", "1", "--threads", "1",
-                       "--base", "HEAD", "--out", str(out)]) == 0
+                       "--base", "HEAD", "--base-step", step, "--out", str(out)]) == 0
     row = json.loads(out.read_text())["cases"][0]
-    assert len(row["rounds"]["base"]) == 2 and row["base_tokens_per_s"] > 0
+    assert len(row["rounds"]["base"]) == 2 and row["base_tokens_per_s"] > 0 and row["base_step"] == step
     assert Path(row["base_griffin"]).parts[-3:] == ("base", "src", "griffin")  # the extracted revision, not this tree
     assert row["base_threads_after"] == 1
     assert row["fast_over_base"] == pytest.approx(row["fast_tokens_per_s"] / row["base_tokens_per_s"])
