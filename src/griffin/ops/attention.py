@@ -85,7 +85,7 @@ def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
     """:func:`fused_sdpa` with a mask, as two batched matmuls with the masked softmax between, in float32 (or wider)
     outside autocast: q (N, H, L, d) over k, v (N, H_kv, S, d); ``mask`` (L, S) or (N or 1, 1, L, S), True where a
     query sees a key. Under bf16 autocast (a bf16 training step) autocast runs the matmuls in bf16, so the scores and
-    probabilities are bf16: kept so for speed (float32 scores against bf16: docs/performance.md, "Local attention").
+    probabilities are bf16: kept so for speed (docs/performance.md, "Local attention").
     The query heads sharing a key/value head are rows of one matmul (no copy of the keys per head). Holds the
     (N, H, L, S) scores: for small blocks."""
     N, H, L, d = q.shape
