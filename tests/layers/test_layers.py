@@ -127,12 +127,7 @@ def test_compiled_cpu_global_attention_attends_bf16_sequences_by_bmm(gen, monkey
     cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa")
     att = MultiQueryAttention(cfg, local=False).double()
     B = 2
-    if packed:
-        reset = random_resets(gen, B, T, 0.01)
-        segments = torch.cumsum(reset, 1)
-        positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
-    else:
-        segments, positions = None, torch.arange(T).expand(B, T)
+    segments, positions = documents(gen, B, T, 0.01) if packed else (None, torch.arange(T).expand(B, T))
     x = rand(gen, B, T, 32)
     dout = rand(gen, B, T, 32)
     want = att(x.requires_grad_(), attention_context(positions, segments, cfg, torch.float64))
@@ -181,12 +176,7 @@ def test_attention_against_naive(gen, local, kv_heads, packed):
     att = MultiQueryAttention(cfg, local=local).double()
     B, T = 2, 13
     x = rand(gen, B, T, 16)
-    if packed:
-        reset = random_resets(gen, B, T, 0.2)
-        segments = torch.cumsum(reset, 1)
-        positions = torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
-    else:
-        segments, positions = None, torch.arange(T).expand(B, T)
+    segments, positions = documents(gen, B, T, 0.2) if packed else (None, torch.arange(T).expand(B, T))
     ctx = attention_context(positions, segments, cfg, torch.float64)
     torch.testing.assert_close(att(x, ctx), naive_attention(att, x, positions, segments, 5 if local else None))
 
@@ -197,6 +187,12 @@ def _doc_positions(reset_row):
         p = 0 if r else p + 1
         out.append(p)
     return out
+
+
+def documents(gen, B, T, p):
+    """Random document ids (B, T) and each token's position in its document, documents starting with probability p."""
+    reset = random_resets(gen, B, T, p)
+    return torch.cumsum(reset, 1), torch.stack([torch.tensor(_doc_positions(r)) for r in reset])
 
 
 @pytest.mark.parametrize("window", [3, 64, 200])
