@@ -99,12 +99,12 @@ def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
     return torch.matmul(probs.view(N, Hk, H // Hk * L, S), v.to(acc)).view(N, H, L, d).to(q.dtype)
 
 
-def fused_sdpa_float32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-                       causal: bool = False) -> Tensor:
+def fused_sdpa_float32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                       scale: float | None = None) -> Tensor:
     """:func:`fused_sdpa` on float32 copies of half-precision inputs, the output in their dtype (outside autocast,
     which would cast them back)."""
     with torch.autocast(q.device.type, enabled=False):
-        return fused_sdpa(q.float(), k.float(), v.float(), mask, scale, causal).to(q.dtype)
+        return fused_sdpa(q.float(), k.float(), v.float(), mask, scale).to(q.dtype)
 
 
 def compiled_cpu_half(q: Tensor) -> bool:
