@@ -52,20 +52,21 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
     def record_executed(q, k):
         executed[0] += 4 * q.shape[-1] * math.prod(q.shape[:-1]) * k.shape[-2]
 
-    layer_sdpa, ops_sdpa = attention_layer.fused_sdpa, attention_ops.fused_sdpa
+    causal_attention, ops_sdpa = attention_layer.causal_attention, attention_ops.fused_sdpa
     local_attention = attention_layer.sliding_window_attention
 
-    def recording_layer_sdpa(q, k, v, mask=None, scale=None, causal=False):  # attention within one sequence
-        record_executed(q, k)
+    def recording_causal_attention(q, k, v, scale=None, q_seg=None, k_seg=None):  # global: (N, H, T, d)
         tq = q.shape[-2]
-        if causal:
+        if q_seg is None:
             pairs = math.prod(q.shape[:-2]) * tq * (tq + 1) / 2
         else:
-            pairs = mask.expand(*q.shape[:-1], k.shape[-2]).sum().item()
+            idx = torch.arange(tq)
+            seen = (idx[:, None] >= idx[None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
+            pairs = q.shape[1] * seen.sum().item()
         useful[0] += 4 * q.shape[-1] * pairs
-        return layer_sdpa(q, k, v, mask, scale, causal)
+        return causal_attention(q, k, v, scale, q_seg, k_seg)
 
-    def recording_ops_sdpa(q, k, v, mask=None, scale=None, causal=False):  # local attention's chunks
+    def recording_ops_sdpa(q, k, v, mask=None, scale=None, causal=False):  # the fused kernel, global or in chunks
         record_executed(q, k)
         return ops_sdpa(q, k, v, mask, scale, causal)
 
@@ -75,7 +76,7 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
         useful[0] += 4 * q.shape[-1] * q.shape[0] * q.shape[2] * ((delta >= 0) & (delta < window)).sum().item()
         return local_attention(q, k, v, window, scale, q_seg, k_seg)
 
-    monkeypatch.setattr(attention_layer, "fused_sdpa", recording_layer_sdpa)
+    monkeypatch.setattr(attention_layer, "causal_attention", recording_causal_attention)
     monkeypatch.setattr(attention_ops, "fused_sdpa", recording_ops_sdpa)
     monkeypatch.setattr(attention_layer, "sliding_window_attention", recording_local_attention)
     # SDPA on CPU runs as _scaled_dot_product_flash_attention_for_cpu, which FlopCounterMode does not know.
