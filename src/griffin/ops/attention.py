@@ -132,10 +132,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     T = q.shape[2]
     if chunk is None and causal_by_bmm(q):
         chunk = T if T <= BMM_MAX_SPAN else CAUSAL_BMM_CHUNK
+    if chunk is None and q_seg is None:
+        return fused_sdpa(q, k, v, None, scale, causal=True)
     idx = torch.arange(T, device=q.device)
     if chunk is None:
-        if q_seg is None:
-            return fused_sdpa(q, k, v, None, scale, causal=True)
         mask = (idx[:, None] >= idx[None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
         return fused_sdpa(q, k, v, mask[:, None], scale)
     outs = []
