@@ -18,6 +18,7 @@ from griffin.layers import (
     MultiQueryAttention,
     RMSNorm,
 )
+from griffin.layers.quantized import Int8BlockDiagonalLinear
 from griffin.layers.recurrent_block import RecurrentBlock
 from griffin.layers.rg_lru import DENSE_GATES_MAX_WIDTH, dense_gates
 from griffin.layers.rope import apply_rope, rope_angles, rope_angles_cpu, rope_angles_ref
@@ -413,10 +414,13 @@ def test_dense_gates_equal_each_block_diagonal_gate(gen):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("width, dense", [(DENSE_GATES_MAX_WIDTH, True), (2 * DENSE_GATES_MAX_WIDTH, False)])
-def test_compiled_cpu_rg_lru_computes_narrow_gates_densely(gen, monkeypatch, width, dense):
+@pytest.mark.parametrize("width, int8, dense", [(DENSE_GATES_MAX_WIDTH, False, True),
+                                                (2 * DENSE_GATES_MAX_WIDTH, False, False),
+                                                (DENSE_GATES_MAX_WIDTH, True, False)])
+def test_compiled_cpu_rg_lru_computes_narrow_gates_densely(gen, monkeypatch, width, int8, dense):
     """In a compiled CPU step an RG-LRU up to DENSE_GATES_MAX_WIDTH wide takes its gates from dense_gates, a wider
-    one (and every eager call) from the gates themselves; the compiled output and gradients are the eager ones."""
+    one, one with int8 gates (whose ``w`` is not the weights) and every eager call from the gates themselves; the
+    compiled output and gradients are the eager ones."""
     import griffin.layers.rg_lru as module
 
     calls = []
@@ -427,6 +431,8 @@ def test_compiled_cpu_rg_lru_computes_narrow_gates_densely(gen, monkeypatch, wid
 
     monkeypatch.setattr(module, "dense_gates", spy)
     lru = RGLRU(width, 8)
+    if int8:
+        lru.input_gate, lru.a_gate = map(Int8BlockDiagonalLinear.from_float, (lru.input_gate, lru.a_gate))
     x = rand(gen, 2, 9, width, dtype=torch.float32).requires_grad_()
     want = lru(x)[0]
     assert not calls

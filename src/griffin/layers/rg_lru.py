@@ -88,11 +88,18 @@ class RGLRU(nn.Module):
 
     def forward(self, x: Tensor, reset: Tensor | None = None, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: (B, T, width); reset: (B, T) document starts; h0: (B, width). Returns (y, h_last)."""
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[-1] <= DENSE_GATES_MAX_WIDTH:
+        if self._dense_gates(x):
             gate_x, gate_a = dense_gates(x, self.input_gate, self.a_gate)
         else:
             gate_x, gate_a = self.input_gate(x), self.a_gate(x)
         return rg_lru(x, gate_x, gate_a, self.a_param, self.c, h0, reset)
+
+    def _dense_gates(self, x: Tensor) -> bool:
+        """Whether this forward takes its gates from :func:`dense_gates`: in a compiled CPU step, at most
+        :data:`DENSE_GATES_MAX_WIDTH` wide, with both gates still float :class:`BlockDiagonalLinear` (not an int8
+        version, nor a decode engine's swapped-in gate module)."""
+        return (torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[-1] <= DENSE_GATES_MAX_WIDTH
+                and type(self.input_gate) is BlockDiagonalLinear and type(self.a_gate) is BlockDiagonalLinear)
 
     def decay(self, x: Tensor) -> Tensor:
         """a_t = a^(c r_t) for the inputs x (B, T, width), in the accumulation dtype: the fraction of the state each
