@@ -97,9 +97,11 @@ class RGLRU(nn.Module):
     def _dense_gates(self, x: Tensor) -> bool:
         """Whether this forward takes its gates from :func:`dense_gates`: in a compiled CPU step, at most
         :data:`DENSE_GATES_MAX_WIDTH` wide, with both gates still float :class:`BlockDiagonalLinear` (not an int8
-        version, nor a decode engine's swapped-in gate module)."""
+        version, nor a decode engine's swapped-in gate module) whose weights are plain tensors (not the DTensors
+        of tensor parallelism, which a gate turns into its local shard only inside its own forward)."""
         return (torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[-1] <= DENSE_GATES_MAX_WIDTH
-                and type(self.input_gate) is BlockDiagonalLinear and type(self.a_gate) is BlockDiagonalLinear)
+                and all(type(g) is BlockDiagonalLinear and type(g.w) in (Tensor, nn.Parameter)
+                        and type(g.b) in (Tensor, nn.Parameter) for g in (self.input_gate, self.a_gate)))
 
     def decay(self, x: Tensor) -> Tensor:
         """a_t = a^(c r_t) for the inputs x (B, T, width), in the accumulation dtype: the fraction of the state each
