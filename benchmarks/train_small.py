@@ -5,10 +5,11 @@ Each case builds two :class:`griffin.training.Trainer` of the same configuration
 reference: eager model, AdamW over per-tensor operators) and one with ``compile=True`` (griffin.training.fast:
 ``torch.compile`` of the model, fused AdamW), compiles the fast one, then times their ``train_step`` (batch,
 forward, loss, backward, clipping, update: the trainer's own step) in alternating rounds, so that a change of load
-on a shared host falls on both. Each waits for OpenMP work as its revision's ``griffin train`` does
-(:func:`griffin.threads.prefer_training_openmp_wait`; a ``--base`` revision older than it: passive). Reported per
-case: tokens/s of each (the median round), the ratio, and the MFU against the trainer's peak
-(:func:`griffin.flops.peak_flops`: the ISA peak for torch's threads).
+on a shared host falls on both. Each waits for OpenMP work and keeps the memory it frees as its revision's
+``griffin train`` does (:func:`griffin.threads.prefer_training_openmp_wait`, :func:`griffin.heap.keep_freed_memory`;
+a ``--base`` revision older than them: passive, glibc's defaults). Reported per case: tokens/s of each (the median
+round), the ratio, and the MFU against the trainer's peak (:func:`griffin.flops.peak_flops`: the ISA peak for torch's
+threads).
 
 Cases: the ``{mqa,hawk,griffin}-synthetic`` presets (5 blocks, width 64, vocabulary 16) on induction heads at
 T = 256 with batches of 16 and 64, and on selective copying at T = 1024 with batches of 16; the main job's model
@@ -56,6 +57,12 @@ USER_ENV = dict(os.environ)  # as given: the child processes (griffin train, the
 # griffin train's OpenMP setting, before torch loads; the worker of a revision older than it (--base): passive, as
 # that revision's griffin train
 getattr(griffin.threads, "prefer_training_openmp_wait", griffin.threads.prefer_passive_openmp_wait)()
+try:  # and its C heap setting (a revision older than it: glibc's defaults, as its griffin train)
+    from griffin.heap import keep_freed_memory
+except ImportError:
+    pass
+else:
+    keep_freed_memory()
 import torch  # noqa: E402
 
 from griffin.synth import InductionHeads, SelectiveCopying, TaskSource  # noqa: E402

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from griffin.arguments import renamed
+from griffin.heap import keep_freed_memory
 from griffin.threads import prefer_passive_openmp_wait, prefer_training_openmp_wait
 
 EXIT_USER_ERROR = 2
@@ -767,17 +768,21 @@ def _silence_stdout() -> None:
         pass
 
 
-#: The commands that train on CPU: torch's idle OpenMP workers spin briefly there (prefer_training_openmp_wait)
+#: The commands that train on CPU: torch's idle OpenMP workers spin briefly there (prefer_training_openmp_wait), and
+#: the C heap keeps what the steps free (griffin.heap.keep_freed_memory)
 TRAINING_COMMANDS = ("train", "finetune", "synth")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``griffin`` with ``argv`` and return the exit status (see the module docstring for the error policy).
     OpenMP's idle threads sleep (:func:`griffin.threads.prefer_passive_openmp_wait`, set before torch loads), but for
-    torch's in the commands that train (:func:`griffin.threads.prefer_training_openmp_wait`)."""
+    torch's in the commands that train (:func:`griffin.threads.prefer_training_openmp_wait`), which also keep the
+    memory they free for reuse (:func:`griffin.heap.keep_freed_memory`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)  # global options take no value
     (prefer_training_openmp_wait if command in TRAINING_COMMANDS else prefer_passive_openmp_wait)()
+    if command in TRAINING_COMMANDS:
+        keep_freed_memory()
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):  # read where griffin's kernels compile (griffin.ops.jit.verbose), children too
         import os
