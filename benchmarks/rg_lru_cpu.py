@@ -5,8 +5,10 @@
     assoc     the gate math in PyTorch, then the associative scan (scan backend "assoc")
 
 Timed forward (no autograd) and forward+backward (backward of the sum of y), median of --repeats after a warm-up,
-interleaved per shape so that host load drifts hit every path alike. GB/s = bytes an ideal fused kernel must move
-(forward: read x, gate_x, gate_a, write y; backward additionally read dy and write three gradients) / time.
+interleaved per shape so that host load drifts hit every path alike, with the C heap keeping freed memory as in the
+training commands (:func:`griffin.heap.keep_freed_memory`: otherwise the outputs' fresh pages, faulted in at each
+call or not as glibc's thresholds happen to be, dominate the backward's time). GB/s = bytes an ideal fused kernel
+must move (forward: read x, gate_x, gate_a, write y; backward additionally read dy and write three gradients) / time.
 
     python benchmarks/rg_lru_cpu.py                       # fp32, a few training and prefill shapes
     python benchmarks/rg_lru_cpu.py --shapes 8x2048x1024 --dtype bfloat16
@@ -22,6 +24,13 @@ import torch
 
 from griffin.ops.rg_lru import rg_lru, rg_lru_gates
 from griffin.ops.scan import linear_scan
+
+try:  # a revision older than it on PYTHONPATH (its kernel measured): glibc's defaults
+    from griffin.heap import keep_freed_memory
+except ImportError:
+    pass
+else:
+    keep_freed_memory()
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved_forward_backward, machine_info, write_json  # noqa: E402
