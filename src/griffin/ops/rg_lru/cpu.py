@@ -31,13 +31,12 @@ from griffin.ops.scan.reference import accumulation_dtype
 # 0 exactly; the gradient bound by 3e-11 of itself)
 _ZERO, _ONE, _TWO = np.float32(0.0), np.float32(1.0), np.float32(2.0)
 _MIN_2U = np.float32(1.0 / MAX_SQRT_GRADIENT)  # d sqrt(u)/du = 1 / max(2 sqrt(u), _MIN_2U), as sqrt_bound_derivative
-# LLVM may fuse a product and a sum into one FMA: one rounding instead of two, and the polynomials of expm1 and the
-# state update in half the instructions (benchmarks/rg_lru_cpu.py). Not the flags that assume no NaN or infinity (a
-# NaN input stays NaN) nor reassociation (which would undo expm1's two-part argument reduction).
-_FASTMATH = {"contract"}
+# fastmath=False, FMA contraction included: with fastmath={"contract"} the forward ran 1.2-1.35x faster on one thread,
+# but in a full test run a process's results then differed from another's in the 7th digit (a resumed run's losses
+# from step 1 on, tests/training/test_preemption.py), which the uncontracted kernels keep bit-identical
 
 
-@kernel(parallel=True, fastmath=_FASTMATH)
+@kernel(parallel=True, fastmath=False)
 def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
     """h_t = a_t h_{t-1} + sqrt(1 - a_t^2) sigmoid(gx_t) x_t with log a_t = log_a_max sigmoid(ga_t), where
     log_a_max = -c softplus(Lambda) (a^c at r_t = 1); at a document start h_t = sigmoid(gx_t) x_t. y_t = h_t.
@@ -66,7 +65,7 @@ def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
         h_last[n, lo:hi] = state
 
 
-@kernel(parallel=True, fastmath=_FASTMATH)
+@kernel(parallel=True, fastmath=False)
 def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, dgx, dga, dlog_a_max, dh0):
     """Reverse scan with the gate derivatives; dlog_a_max[n, d] is batch row n's share of d/d log_a_max[d]."""
     batch, steps, dim = x.shape
