@@ -29,6 +29,16 @@ griffin.threads.prefer_passive_openmp_wait()
 
 
 # Versions ----------------------------------------------------------------------------------------------------
+def keep_freed_memory() -> None:
+    """The C heap setting of griffin's training commands (:func:`griffin.heap.keep_freed_memory`), where the griffin
+    measured has it; an older revision on ``PYTHONPATH`` keeps glibc's defaults, as its own commands did."""
+    try:
+        from griffin.heap import keep_freed_memory as keep
+    except ImportError:
+        return
+    keep()
+
+
 def git_source(rev: str, where: Path, root: Path | None = None) -> Path:
     """The ``src`` tree of git revision ``rev`` of the repository at ``root`` (default: this one), extracted into
     ``where`` (created): a worker process imports that version of griffin with ``PYTHONPATH`` set to the returned

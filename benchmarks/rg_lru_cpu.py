@@ -25,15 +25,10 @@ import torch
 from griffin.ops.rg_lru import rg_lru, rg_lru_gates
 from griffin.ops.scan import linear_scan
 
-try:  # a revision older than it on PYTHONPATH (its kernel measured): glibc's defaults
-    from griffin.heap import keep_freed_memory
-except ImportError:
-    pass
-else:
-    keep_freed_memory()
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_forward_backward, machine_info, write_json  # noqa: E402
+from common import interleaved_forward_backward, keep_freed_memory, machine_info, write_json  # noqa: E402
+
+keep_freed_memory()  # as the training commands
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SCANS = {"unfused": "cpu", "assoc": "assoc"}  # the scan after the PyTorch gate math

@@ -57,19 +57,23 @@ USER_ENV = dict(os.environ)  # as given: the child processes (griffin train, the
 # griffin train's OpenMP setting, before torch loads; the worker of a revision older than it (--base): passive, as
 # that revision's griffin train
 getattr(griffin.threads, "prefer_training_openmp_wait", griffin.threads.prefer_passive_openmp_wait)()
-try:  # and its C heap setting (a revision older than it: glibc's defaults, as its griffin train)
-    from griffin.heap import keep_freed_memory
-except ImportError:
-    pass
-else:
-    keep_freed_memory()
 import torch  # noqa: E402
 
 from griffin.synth import InductionHeads, SelectiveCopying, TaskSource  # noqa: E402
 from griffin.training import TrainConfig, Trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_source, machine_info, progress, short_rev, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    git_source,
+    keep_freed_memory,
+    machine_info,
+    progress,
+    short_rev,
+    table,
+    write_json,
+)
+
+keep_freed_memory()  # griffin train's C heap setting
 
 
 @dataclass(frozen=True)
