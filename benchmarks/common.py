@@ -140,6 +140,17 @@ def median_time(step: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+_SWEEP: list[torch.Tensor] = []
+
+
+def evict_caches(mib: int = 256) -> None:
+    """Write ``mib`` MiB (several times any L3 cache), so that what runs next finds its inputs in memory, as an
+    operator inside a training step does (the step's other operators moved megabytes since it last touched them)."""
+    if not _SWEEP or _SWEEP[0].numel() != mib << 18:
+        _SWEEP[:] = [torch.zeros(mib << 18)]
+    _SWEEP[0].add_(1.0)
+
+
 def interleaved_forward_backward(paths: Sequence[str], run: Callable[[str, bool], None],
                                  rounds: int) -> dict[str, tuple[float, float]]:
     """Per path, the median seconds of ``run(path, False)`` (forward) and ``run(path, True)`` (forward+backward)

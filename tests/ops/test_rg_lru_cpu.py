@@ -1,5 +1,6 @@
 """The fused CPU RG-LRU (griffin.ops.rg_lru.cpu) against the reference operator."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +150,45 @@ def test_compiled_bf16_widens_before_the_operator_with_eager_numbers(gen):
     assert seen == [torch.float32]
     for got, want in zip(compiled, run(rg_lru_cpu, *args, weights), strict=True):
         assert torch.equal(got, want)
+
+
+def test_prefetch_is_a_hint_that_reads_nothing_and_never_faults():
+    """:func:`griffin.ops.jit.prefetch` (the several-row int8 decode kernel's, up to a block past a matrix's end; the
+    reverse scans', rows ahead): any index, inside the array or far outside it, compiles to a hint; a non-contiguous
+    array is refused."""
+    import numba
+    from numba.core.errors import TypingError
+
+    from griffin.ops.jit import prefetch
+
+    @numba.njit
+    def touch(w, lo, hi, step):
+        for q in range(lo, hi, step):
+            prefetch(w, q)
+        return w.sum()
+
+    w = np.arange(4 * 96, dtype=np.int8).reshape(4, 96)
+    assert touch(w, -(1 << 20), 1 << 24, 4096) == w.sum()
+    with pytest.raises(TypingError, match="C-contiguous"):
+        touch(w[:, ::2], 0, 8, 1)
+
+
+@pytest.mark.parametrize("ahead_bytes", [1, 64, 2048, 1 << 20])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 7, 5), (2, 40, 33), (16, 64, 64)])
+def test_prefetch_distance_changes_no_bit(gen, monkeypatch, shape, ahead_bytes):
+    """The reverse scans (the RG-LRU's and the linear scan's backward) prefetch rows steps ahead
+    (griffin.ops.scan.cpu.steps_ahead): any distance, one step to past the sequence's start, gives the same bits."""
+    from griffin.ops.scan import linear_scan
+
+    x, gx, ga, lam, h0, reset = inputs(gen, *shape, torch.float32)
+    weights = torch.randn(shape, generator=gen)
+    a = torch.rand(shape, generator=gen)
+    monkeypatch.setattr("griffin.ops.scan.cpu.AHEAD_BYTES", 2048)
+    ref = run(rg_lru_cpu, x, gx, ga, lam, h0, reset, weights)
+    ref_scan = torch.autograd.grad(linear_scan(a.requires_grad_(), x, h0, reset, backend="cpu")[0], (a, x), weights)
+    monkeypatch.setattr("griffin.ops.scan.cpu.AHEAD_BYTES", ahead_bytes)
+    for name, out, expected in zip(("y", "h_last", "dx", "dgx", "dga", "dlam", "dh0"),
+                                   run(rg_lru_cpu, x, gx, ga, lam, h0, reset, weights), ref, strict=True):
+        assert torch.equal(out, expected), name
+    scan = torch.autograd.grad(linear_scan(a, x, h0, reset, backend="cpu")[0], (a, x), weights)
+    assert all(torch.equal(out, expected) for out, expected in zip(scan, ref_scan, strict=True))

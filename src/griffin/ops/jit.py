@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
-from numba.core import caching
+from numba.core import caching, cgutils
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.errors import NumbaIRAssumptionWarning, NumbaPerformanceWarning, TypingError
 from numba.extending import intrinsic, overload
@@ -169,6 +169,34 @@ def bits_of_float32(typingctx, value):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Ask for the cache line holding the entry ``index`` of the C-contiguous array ``arr`` read as flat, into the L2
+    cache (LLVM's ``prefetch`` of a read with locality 2, ``prefetcht1`` on x86: into L1 too, it evicted the block
+    being computed on). A hint: it never faults, whatever the index, and computes nothing."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(index, types.Integer)):
+        raise TypingError(f"prefetch reads a C-contiguous array and an integer index, got {arr} and {index}")
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)]), i8p)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])  # read, L2, data
+        return context.get_dummy_value()
+
+    return types.none(arr, index), codegen
+
+
+@numba.njit(inline="always")
+def prefetch_span(arr, start, n):
+    """:func:`prefetch` the cache lines of the ``n`` entries of the C-contiguous ``arr`` (flat) from ``start``."""
+    for k in range(0, n, max(64 // arr.itemsize, 1)):
+        prefetch(arr, start + k)
 
 
 @numba.njit(inline="always")

@@ -222,26 +222,6 @@ def test_group_size_must_divide_the_inputs():
         quantize_int8(torch.randn(4, 48), 32)
 
 
-def test_prefetch_is_a_hint_that_reads_nothing_and_never_faults():
-    """:func:`griffin.inference.cpu.isa.prefetch` (the several-row int8 kernel's, up to a block past a matrix's end):
-    any index, inside the array or far outside it, compiles to a hint; a non-contiguous array is refused."""
-    import numba
-    from numba.core.errors import TypingError
-
-    from griffin.inference.cpu.isa import prefetch
-
-    @numba.njit
-    def touch(w, lo, hi, step):
-        for q in range(lo, hi, step):
-            prefetch(w, q)
-        return w.sum()
-
-    w = np.arange(4 * 96, dtype=np.int8).reshape(4, 96)
-    assert touch(w, -(1 << 20), 1 << 24, 4096) == w.sum()
-    with pytest.raises(TypingError, match="C-contiguous"):
-        touch(w[:, ::2], 0, 8, 1)
-
-
 @pytest.mark.parametrize(("dtype", "rows"), [(torch.int8, 1), (torch.int8, 5), (torch.bfloat16, 1),
                                              (torch.float32, 1)])
 @pytest.mark.parametrize("ahead", [0, 64, 4096, 1 << 30])

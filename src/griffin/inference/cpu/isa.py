@@ -25,9 +25,6 @@ or 64 narrow pairs at once, so the kernel streams the weights at close to the re
   on hosts that have it (:data:`FAST_TILES`): at several rows, one instruction where :func:`dot_rows_uint16_int8`
   takes 32, so the instruction count no longer limits the kernel.
 
-- :func:`prefetch`: asks for the cache line of an array's entry into L2 ahead of its use (the several-row kernel's
-  next weight blocks, which the hardware prefetcher does not fetch while the block before is read again from L1).
-
 n must be a multiple of :data:`VECTOR` (several accumulators, so that their chains of multiply-adds overlap).
 :data:`DOT_INSTRUCTIONS` names the weight dtypes this host has an instruction for: the kernels that call these are only
 compiled where the host has them. :data:`FAST_DOTS` (none with ``GRIFFIN_MATVEC=generic``) and :data:`FAST_TILES` say
@@ -326,27 +323,6 @@ def dot_rows_uint16_int8(typingctx, high, low, m0, w, r0, last, start, n):
         return context.make_tuple(builder, sig.return_type, out)
 
     return types.UniTuple(types.int64, WEIGHT_ROWS * ROWS)(high, low, m0, w, r0, last, start, n), codegen
-
-
-@intrinsic
-def prefetch(typingctx, arr, index):
-    """Ask for the cache line holding the entry ``index`` of the C-contiguous array ``arr`` read as flat, into the L2
-    cache (LLVM's ``prefetch`` of a read with locality 2, ``prefetcht1`` on x86: into L1 too, it evicted the block
-    being computed on). A hint: it never faults, whatever the index, and computes nothing."""
-    if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(index, types.Integer)):
-        raise TypingError(f"prefetch reads a C-contiguous array and an integer index, got {arr} and {index}")
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.bitcast(builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.intp)]), i8p)
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])  # read, L2, data
-        return context.get_dummy_value()
-
-    return types.none(arr, index), codegen
 
 
 @intrinsic

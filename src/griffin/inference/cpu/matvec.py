@@ -55,11 +55,10 @@ from griffin.inference.cpu.isa import (
     dot_bf16,
     dot_rows_uint16_int8,
     dot_uint16_int8,
-    prefetch,
     tile_config,
     tile_dot_int8,
 )
-from griffin.ops.jit import float32_from_bits, kernel, parallel_ready, storage, widen
+from griffin.ops.jit import float32_from_bits, kernel, parallel_ready, prefetch, storage, widen
 from griffin.ops.matvec import INT16_MAX
 
 TILE = TILE_ROWS  # output rows per task (16: one AMX tile of weight rows, which the tile kernel relies on)

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from numba import prange
 from torch import Tensor
 
-from griffin.ops.jit import expm1_typed, kernel, parallel_ready, sigmoid_typed
+from griffin.ops.jit import expm1_typed, kernel, parallel_ready, prefetch_span, sigmoid_typed
 from griffin.ops.rg_lru.reference import MAX_SQRT_GRADIENT
-from griffin.ops.scan.cpu import channel_chunk, empty_like_hugepages
+from griffin.ops.scan.cpu import channel_chunk, empty_like_hugepages, steps_ahead
 from griffin.ops.scan.reference import accumulation_dtype
 
 # float32 constants: with float32 inputs the arithmetic stays float32, with float64 inputs numba widens them (1, 2 and
@@ -36,7 +36,7 @@ _MIN_2U = np.float32(1.0 / MAX_SQRT_GRADIENT)  # d sqrt(u)/du = 1 / max(2 sqrt(u
 # from step 1 on, tests/training/test_preemption.py), which the uncontracted kernels keep bit-identical
 
 
-@kernel(parallel=True, fastmath=False)
+@kernel(parallel=True, fastmath=False, )
 def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
     """h_t = a_t h_{t-1} + sqrt(1 - a_t^2) sigmoid(gx_t) x_t with log a_t = log_a_max sigmoid(ga_t), where
     log_a_max = -c softplus(Lambda) (a^c at r_t = 1); at a document start h_t = sigmoid(gx_t) x_t. y_t = h_t.
@@ -65,9 +65,10 @@ def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
         h_last[n, lo:hi] = state
 
 
-@kernel(parallel=True, fastmath=False)
-def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, dgx, dga, dlog_a_max, dh0):
-    """Reverse scan with the gate derivatives; dlog_a_max[n, d] is batch row n's share of d/d log_a_max[d]."""
+@kernel(parallel=True, fastmath=False, )
+def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, ahead, dx, dgx, dga, dlog_a_max, dh0):
+    """Reverse scan with the gate derivatives; dlog_a_max[n, d] is batch row n's share of d/d log_a_max[d]. The rows
+    of step t - ahead are prefetched at step t (the hardware prefetcher does not follow rows read backwards)."""
     batch, steps, dim = x.shape
     n_chunks = -(-dim // chunk)
     for task in prange(batch * n_chunks):
@@ -78,6 +79,11 @@ def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, dx, d
         acc = np.zeros(hi - lo, dtype=x.dtype)
         lmax = log_a_max[lo:hi]
         for t in range(steps - 1, -1, -1):
+            if t > ahead:
+                at = (n * steps + t - ahead) * dim + lo
+                for arr in (x, gx, ga, g, dx, dgx, dga):
+                    prefetch_span(arr, at, hi - lo)
+                prefetch_span(h, at - dim, hi - lo)
             xt, gxt, gat, gt = x[n, t, lo:hi], gx[n, t, lo:hi], ga[n, t, lo:hi], g[n, t, lo:hi]
             dxt, dgxt, dgat = dx[n, t, lo:hi], dgx[n, t, lo:hi], dga[n, t, lo:hi]
             if reset[n, t]:  # h_t = i_t x_t: nothing flows to h_{t-1} or through a_t
@@ -156,9 +162,10 @@ def rg_lru_cpu_bwd(x: Tensor, gate_x: Tensor, gate_a: Tensor, log_a_max: Tensor,
     dx, dgx, dga = empty_like_hugepages(xs), empty_like_hugepages(xs), empty_like_hugepages(xs)
     dlog_a_max, dh0 = torch.empty_like(h0_), torch.empty_like(h0_)
     parallel_ready()
+    chunk = channel_chunk(batch, dim)
     _backward_kernel(xs.numpy(), gxs.numpy(), gas.numpy(), lmax.numpy(), h0_.numpy(), reset_.numpy(), hs.numpy(),
-                     g.numpy(), g_last.numpy(), channel_chunk(batch, dim), dx.numpy(), dgx.numpy(), dga.numpy(),
-                     dlog_a_max.numpy(), dh0.numpy())
+                     g.numpy(), g_last.numpy(), chunk, steps_ahead(chunk, xs.element_size()), dx.numpy(),
+                     dgx.numpy(), dga.numpy(), dlog_a_max.numpy(), dh0.numpy())
     return dx.to(x.dtype), dgx.to(x.dtype), dga.to(x.dtype), dlog_a_max.sum(0), dh0
 
 

@@ -29,10 +29,13 @@ from numba import prange
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from griffin.ops.jit import kernel, parallel_ready
+from griffin.ops.jit import kernel, parallel_ready, prefetch_span
 from griffin.ops.scan.reference import accumulation_dtype, check_scan_inputs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# Reverse scans prefetch the rows about this many bytes ahead of each array (steps_ahead): the hardware prefetcher
+# follows rows read forwards, not backwards (docs/performance.md, "Fused RG-LRU on CPU")
+AHEAD_BYTES = 2048
 _LINE = 16  # float32 values per 64-byte cache line: channel blocks are multiples of this
 _BLOCK_BYTES = 2 * 2**20  # 16-bit inputs are scanned in time blocks whose float32 copies stay in cache
 _HUGE_PAGE = 2 * 2**20
@@ -77,11 +80,13 @@ def _backward_kernel(
     g: np.ndarray,
     g_last: np.ndarray,
     chunk: int,
+    ahead: int,
     grad_a: np.ndarray,
     grad_b: np.ndarray,
     grad_h0: np.ndarray,
 ) -> None:
-    """Reverse scan: dh_t = g_t + a_{t+1} dh_{t+1} (+ g_last at t = T-1); grad_b = dh; grad_a = dh_t h_{t-1}."""
+    """Reverse scan: dh_t = g_t + a_{t+1} dh_{t+1} (+ g_last at t = T-1); grad_b = dh; grad_a = dh_t h_{t-1}. The rows
+    of step t - ahead are prefetched at step t (:func:`steps_ahead`)."""
     batch, steps, dim = a.shape
     n_chunks = -(-dim // chunk)
     for task in prange(batch * n_chunks):
@@ -90,6 +95,11 @@ def _backward_kernel(
         hi = min(lo + chunk, dim)
         carry = g_last[n, lo:hi].copy()  # a_{t+1} * dh_{t+1}, zero across a reset; starts as the grad of h_last
         for t in range(steps - 1, -1, -1):
+            if t > ahead:
+                at = (n * steps + t - ahead) * dim + lo
+                for arr in (a, g, grad_a, grad_b):
+                    prefetch_span(arr, at, hi - lo)
+                prefetch_span(h, at - dim, hi - lo)
             gt = g[n, t, lo:hi]
             gbt = grad_b[n, t, lo:hi]
             gat = grad_a[n, t, lo:hi]
@@ -117,6 +127,12 @@ def channel_chunk(batch: int, dim: int) -> int:
         return max(dim, 1)
     blocks = -(-threads // max(batch, 1))
     return max(_LINE, -(-dim // (blocks * _LINE)) * _LINE)
+
+
+def steps_ahead(chunk: int, itemsize: int) -> int:
+    """How many time steps ahead a reverse scan prefetches the rows of its ``chunk`` channels: about
+    :data:`AHEAD_BYTES` of each array in flight, at least one step."""
+    return max(1, AHEAD_BYTES // max(chunk * itemsize, 1))
 
 
 def _np(x: Tensor) -> np.ndarray:
@@ -198,8 +214,9 @@ def _backward(
     """The backward kernel on contiguous float32/float64 tensors: grad_a, grad_b, grad_h0 (the carry into h0)."""
     grad_a, grad_b, grad_h0 = empty_like_hugepages(a), empty_like_hugepages(a), torch.empty_like(h0)
     parallel_ready()
+    chunk = channel_chunk(a.shape[0], a.shape[2])
     _backward_kernel(
-        _np(a), _np(h), _np(h0), _np(reset), _np(g), _np(g_last), channel_chunk(a.shape[0], a.shape[2]),
+        _np(a), _np(h), _np(h0), _np(reset), _np(g), _np(g_last), chunk, steps_ahead(chunk, a.element_size()),
         _np(grad_a), _np(grad_b), _np(grad_h0),
     )  # fmt: skip
     return grad_a, grad_b, grad_h0
