@@ -29,3 +29,18 @@ def test_rg_lru_benchmark_times_every_path(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["path"] for r in rows] == ["fused", "unfused", "assoc"]
     assert all(r["forward_s"] > 0 and r["forward_backward_s"] > 0 for r in rows)
+
+
+def test_rg_lru_benchmark_times_forward_and_backward_from_memory(tmp_path, monkeypatch):
+    """``--cold``: the caches evicted before the forward and again before the backward (each eviction counted), the
+    backward timed apart and added to the forward."""
+    bench = load_benchmark("rg_lru_cpu")
+    evictions = []
+    monkeypatch.setattr(bench, "evict_caches", lambda: evictions.append(1))
+    out = tmp_path / "rg.json"
+    assert bench.main(["--shapes", "2x16x8", "--paths", "fused", "unfused", "--cold", "--repeats", "2",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["path"] for r in rows] == ["fused", "unfused"]
+    assert all(0 < r["forward_s"] < r["forward_backward_s"] for r in rows)
+    assert len(evictions) == 2 * 2 * (2 + 1)  # two per path and round, the untimed first round included

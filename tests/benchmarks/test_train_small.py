@@ -30,6 +30,10 @@ def test_every_step_is_timed_side_by_side(tmp_path):
     assert sorted(row["rounds"]) == sorted(keys)
     assert all(row[f"{k}_tokens_per_s"] > 0 for k in keys)
     assert row["speedup"] == pytest.approx(row["fast_tokens_per_s"] / row["reference_tokens_per_s"])
+    if bf16:  # the bf16 step's MFU also against the bf16 peak its trainer reports (at least the fp32 one)
+        assert row["bf16_peak_flops"] >= row["peak_flops"] and "bf16" in row["bf16_peak_source"]
+        assert row["fast_bf16_mfu_bf16_peak"] == pytest.approx(
+            row["fast_bf16_tokens_per_s"] * row["flops_per_token"] / row["bf16_peak_flops"])
     # every step profiled; Inductor's kernels are named (and counted) only in the compiled ones
     assert sorted(row["profiles"]) == sorted(keys)
     for key, prof in row["profiles"].items():

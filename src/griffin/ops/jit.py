@@ -19,7 +19,9 @@ out of a user's output.)
 where ``math.exp`` is a call to libm; float64), :func:`expm1_typed` and :func:`sigmoid_typed` (the same in their
 argument's own precision: float32 vectors hold twice the lanes and need half the polynomial), :func:`widen` (a
 stored value as float32) and :func:`narrow` (a float32 as the model stores it: bfloat16 rounded to nearest even, as
-``Tensor.to(torch.bfloat16)``), and :func:`storage` (the numpy view a kernel reads a tensor through).
+``Tensor.to(torch.bfloat16)``), :func:`storage` (the numpy view a kernel reads a tensor through), and
+:func:`prefetch` and :func:`prefetch_span` (ask for cache lines ahead of their use: the decode engine's weight rows,
+the reverse scans' rows read backwards).
 """
 
 from __future__ import annotations

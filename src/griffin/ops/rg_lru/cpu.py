@@ -36,7 +36,7 @@ _MIN_2U = np.float32(1.0 / MAX_SQRT_GRADIENT)  # d sqrt(u)/du = 1 / max(2 sqrt(u
 # from step 1 on, tests/training/test_preemption.py), which the uncontracted kernels keep bit-identical
 
 
-@kernel(parallel=True, fastmath=False, )
+@kernel(parallel=True, fastmath=False)
 def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
     """h_t = a_t h_{t-1} + sqrt(1 - a_t^2) sigmoid(gx_t) x_t with log a_t = log_a_max sigmoid(ga_t), where
     log_a_max = -c softplus(Lambda) (a^c at r_t = 1); at a document start h_t = sigmoid(gx_t) x_t. y_t = h_t.
@@ -65,7 +65,7 @@ def _forward_kernel(x, gx, ga, log_a_max, h0, reset, chunk, y, h_last):
         h_last[n, lo:hi] = state
 
 
-@kernel(parallel=True, fastmath=False, )
+@kernel(parallel=True, fastmath=False)
 def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, ahead, dx, dgx, dga, dlog_a_max, dh0):
     """Reverse scan with the gate derivatives; dlog_a_max[n, d] is batch row n's share of d/d log_a_max[d]. The rows
     of step t - ahead are prefetched at step t (the hardware prefetcher does not follow rows read backwards)."""
