@@ -80,7 +80,9 @@ def test_requests_sharing_a_prefix_are_not_prefilled_side_by_side(gen):
         for h in handles:
             list(h)
         assert [h.prefix_hit for h in handles] == [0, 0, 0, 4 * B, 4 * B, 4 * B]
-        assert max(recorder.rows) == 3  # the first shared prompt and the two others, side by side
+        # the first pass: the first shared prompt and the two others, side by side, the followers held back (later
+        # passes may run the followers' suffixes beside the first's, from the preamble's states: seed 324969697)
+        assert recorder.rows[0] == 3
         assert eng.metrics.value("griffin_prompt_tokens_computed_total") == \
             sum(len(p) for p in shared[:1] + others) + sum(len(p) - 4 * B for p in shared[1:])
     finally:
