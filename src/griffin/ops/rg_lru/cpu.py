@@ -80,10 +80,10 @@ def _backward_kernel(x, gx, ga, log_a_max, h0, reset, h, g, g_last, chunk, ahead
         lmax = log_a_max[lo:hi]
         for t in range(steps - 1, -1, -1):
             if t > ahead:
-                at = (n * steps + t - ahead) * dim + lo
+                row = (n * steps + t - ahead) * dim + lo  # flat index of [n, t - ahead, lo]
                 for arr in (x, gx, ga, g, dx, dgx, dga):
-                    prefetch_span(arr, at, hi - lo)
-                prefetch_span(h, at - dim, hi - lo)
+                    prefetch_span(arr, row, hi - lo)
+                prefetch_span(h, row - dim, hi - lo)
             xt, gxt, gat, gt = x[n, t, lo:hi], gx[n, t, lo:hi], ga[n, t, lo:hi], g[n, t, lo:hi]
             dxt, dgxt, dgat = dx[n, t, lo:hi], dgx[n, t, lo:hi], dga[n, t, lo:hi]
             if reset[n, t]:  # h_t = i_t x_t: nothing flows to h_{t-1} or through a_t

@@ -96,10 +96,10 @@ def _backward_kernel(
         carry = g_last[n, lo:hi].copy()  # a_{t+1} * dh_{t+1}, zero across a reset; starts as the grad of h_last
         for t in range(steps - 1, -1, -1):
             if t > ahead:
-                at = (n * steps + t - ahead) * dim + lo
+                row = (n * steps + t - ahead) * dim + lo  # flat index of [n, t - ahead, lo]
                 for arr in (a, g, grad_a, grad_b):
-                    prefetch_span(arr, at, hi - lo)
-                prefetch_span(h, at - dim, hi - lo)
+                    prefetch_span(arr, row, hi - lo)
+                prefetch_span(h, row - dim, hi - lo)
             gt = g[n, t, lo:hi]
             gbt = grad_b[n, t, lo:hi]
             gat = grad_a[n, t, lo:hi]
