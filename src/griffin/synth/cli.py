@@ -132,7 +132,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from griffin.io import write_json
     from griffin.synth.ablation import check_silenceable, silenced_prefix
     from griffin.synth.evaluate import evaluate_lengths, load_run
-    from griffin.synth.plots import plot_silenced_prefix
+    from griffin.synth.plots import plot_answer_channels, plot_silenced_prefix
     from griffin.synth.tasks import InductionHeads
 
     model, task = load_run(args.dir)
@@ -141,11 +141,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if "recurrent" not in model.config.block_types or model.config.complex_lru:
             raise ValueError(f"--horizons: {args.dir} is an {model.config.family} model without an RG-LRU "
                              "(no recurrent block, or the complex CG-LRU)")
-    if args.silence_prefix:
-        if task.name != "induction_heads":
-            raise ValueError(f"--silence-prefix: {args.dir} was trained on {task.name}; the prefix is that of an "
-                             "induction-heads sequence (before its trigger)")
-        check_silenceable(model)
+    for flag, asked in (("--silence-prefix", args.silence_prefix), ("--answer-channels", args.answer_channels)):
+        if asked and task.name != "induction_heads":
+            raise ValueError(f"{flag}: {args.dir} was trained on {task.name}; the prefix and the answer are those of "
+                             "an induction-heads sequence (before its trigger, and after it)")
+        if asked:
+            check_silenceable(model)
     kwargs = dict(sequences=args.sequences, batch_size=args.eval_batch, chunk_size=args.chunk_size,
                   progress=args.progress, distance_bins=args.distance_bins)
     results = evaluate_lengths(model, task, args.lengths, **kwargs)
@@ -163,6 +164,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             print(f"wrote {figure}")
     if args.horizons:
         record["horizons"] = _horizons(model, task, args.horizons, min(args.sequences, args.eval_batch))
+    if args.answer_channels:
+        record["answer_channels"] = _answer_channels(model, task, args.lengths, args.sequences, args.eval_batch)
+        figure = Path(args.out or args.dir) / "answer_channels.png"
+        plot_answer_channels(record, figure, f"{model.config.family}, trained at T = {task.seq_len}")
+        print(f"wrote {figure}")
     out = Path(args.out or args.dir) / "lengths.json"
     write_json(out, record)
     print(f"wrote {out}")
@@ -197,6 +203,38 @@ def _horizons(model, task, length: int, sequences: int) -> dict[str, Any]:
     for r in rows:
         print(f"| {r['block']} | {r['longest']:,.0f} | {r['median']:,.0f} |")
     return {"length": length, "sequences": sequences, "blocks": rows}
+
+
+def _answer_channels(model, task, lengths: list[int], sequences: int, batch_size: int) -> list[dict[str, Any]]:
+    """Print and return, per length and recurrent block, the channel that holds the answer
+    (:func:`griffin.synth.ablation.answer_channels`) on the held-out sequences of that length."""
+    import torch
+
+    from griffin.synth.ablation import answer_channels, answer_shares
+    from griffin.synth.evaluate import held_out
+    from griffin.synth.tasks import InductionHeads
+
+    blocks = [i for i, k in enumerate(model.config.block_types) if k == "recurrent"]
+    out = []
+    print("\nthe answer's channel per recurrent block: the RG-LRU state at the final trigger split into what the "
+          "writes before the first trigger, while it is in the Conv1D's view (the answer) and after it left there; "
+          "the channel whose answer / |prefix + after| (median over the sequences) is largest\n"
+          "| length | block | channel | answer / rest | answer | prefix | after | its horizon | channels >= 1 | "
+          "state RMS |\n|---|---|---|---|---|---|---|---|---|---|")
+    for length in lengths:
+        batches = held_out(task.with_length(length), sequences, batch_size)
+        per_batch = [answer_shares(model, b.input_ids, InductionHeads.TRIGGER) for b in batches]
+        n = [len(b.input_ids) for b in batches]
+        merged = [(torch.cat([p[i][0] for p in per_batch], 1),
+                   sum(p[i][1] * k for p, k in zip(per_batch, n, strict=True)) / sum(n))
+                  for i in range(len(blocks))]
+        rows = [{"block": b, **r} for b, r in zip(blocks, answer_channels(merged), strict=True)]
+        for r in rows:
+            print(f"| {length:,} | {r['block']} | {r['channel']} | {r['ratio']:.3g} | {r['answer']:.3g} | "
+                  f"{r['prefix']:.3g} | {r['after']:.3g} | {r['horizon']:,.0f} | {r['channels_over_1']} | "
+                  f"{r['state_rms']:.3g} |")
+        out.append({"length": length, "sequences": sum(n), "blocks": rows})
+    return out
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -280,6 +318,10 @@ def add_synth_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--horizons", type=int, default=0, metavar="N",
                    help="also each recurrent block's memory horizons (tokens after which an RG-LRU channel keeps "
                         "e^-1 of its state), measured on held-out sequences of length N (e.g. 4096)")
+    e.add_argument("--answer-channels", action="store_true",
+                   help="induction heads: also, at each length, the channel of each recurrent block that holds the "
+                        "answer: its state at the final trigger split into the writes before the trigger, the answer's "
+                        "and the later ones (on --sequences sequences, one forward each, no cache)")
     e.add_argument("--silence-prefix", action="store_true",
                    help="induction heads: also evaluate with every RG-LRU's writes silenced before the first trigger "
                         "(the gates unchanged): how much of what is lost at a length is the prefix written before it")

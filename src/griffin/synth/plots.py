@@ -123,6 +123,34 @@ def plot_silenced_prefix(record: dict, path: str | Path, title: str) -> None:
             2 * len(record["lengths"]), log2=True)
 
 
+def plot_answer_channels(record: dict, path: str | Path, title: str) -> None:
+    """Each recurrent block's answer-to-interference ratio in its answer channel against the evaluation length (both
+    log axes; 1 dashed: where the answer no longer stands out), with the accuracy at each length on a second axis:
+    ``griffin synth eval --answer-channels``'s ``lengths.json`` record."""
+    plt, fig, ax = _figure()
+    rows = record["answer_channels"]
+    lengths = [r["length"] for r in rows]
+    for i, block in enumerate(b["block"] for b in rows[0]["blocks"]):
+        ratios = [max(next(b["ratio"] for b in r["blocks"] if b["block"] == block), 1e-12) for r in rows]
+        ax.plot(lengths, ratios, "o-", ms=4, lw=1.5, color=f"C{i}", label=f"block {block}")
+    ax.axhline(1.0, color="grey", ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_ylim(1e-3, None)
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("answer / rest of the state, answer channel")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    acc = {r["length"]: r["accuracy"] for r in record["lengths"]}
+    if all(n in acc for n in lengths):
+        right = ax.twinx()
+        right.plot(lengths, [acc[n] for n in lengths], "k:", marker="x", lw=1.5, label="accuracy")
+        right.set_ylim(-0.02, 1.02)
+        right.set_ylabel("held-out accuracy (dotted)")
+    ax.legend(loc="lower left", fontsize="small")  # inside: the accuracy's axis takes the right
+    _save(plt, fig, path)
+
+
 def run_lengths(directory: str | Path) -> list[tuple[int, float]]:
     """(evaluation length, accuracy) from a run's ``lengths.json`` (``griffin synth eval``); [] for a run not
     evaluated at other lengths."""
