@@ -27,6 +27,7 @@ from griffin.layers.rg_lru import RGLRU
 from griffin.model import CausalLM
 from griffin.ops.rg_lru import rg_lru
 from griffin.ops.rg_lru.reference import rg_lru_gates
+from griffin.synth.evaluate import forward_with_hooks
 
 #: The three sources of an RG-LRU's state at the final trigger, in the order :func:`answer_shares` stacks them.
 SHARES = ("prefix", "answer", "after")
@@ -132,14 +133,7 @@ def answer_shares(model: CausalLM, input_ids: Tensor, trigger: int) -> list[tupl
         contrib = kept * b.double()  # (B, T, width): what b_t keeps of itself at T - 1
         out.append((torch.einsum("kbt,btd->kbd", masks.double(), contrib), log_a.mean(dim=(0, 1))))
 
-    hooks = [lru.register_forward_hook(share) for _, _, lru in parents]
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(input_ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    forward_with_hooks(model, input_ids, [lru for _, _, lru in parents], share)
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,11 +206,19 @@ def memory_horizons(model: CausalLM, input_ids: Tensor) -> list[Tensor]:
     1 / mean_t(-log a_t), the tokens after which the channel's state keeps e^-1 of what it held (Section 2.4). An
     answer kept only in channels whose horizon is short against a distance is lost at that distance: the check of
     what a model trained at T can extrapolate to (Figure 6b)."""
-    decays: list[Tensor] = []
-    handles = [m.register_forward_hook(lambda mod, args, out: decays.append(mod.decay(args[0])))
-               for m in model.modules() if isinstance(m, RGLRU)]
-    if not handles:
+    lrus = [m for m in model.modules() if isinstance(m, RGLRU)]
+    if not lrus:
         raise ValueError(f"{model.config.family}: the model has no RG-LRU, so no memory horizon")
+    decays: list[Tensor] = []
+    forward_with_hooks(model, input_ids, lrus, lambda mod, args, out: decays.append(mod.decay(args[0])))
+    return [1.0 / -a.log().mean(dim=(0, 1)) for a in decays]
+
+
+def forward_with_hooks(model: CausalLM, input_ids: Tensor, modules: Sequence[torch.nn.Module],
+                       hook: Callable[[torch.nn.Module, tuple, Any], None]) -> None:
+    """One plain forward of ``input_ids`` (eval mode, no gradients) with ``hook`` a forward hook of each of
+    ``modules`` meanwhile: how the diagnostics here look inside a model."""
+    handles = [m.register_forward_hook(hook) for m in modules]
     try:
         model.eval()
         with torch.no_grad():
@@ -218,7 +226,6 @@ def memory_horizons(model: CausalLM, input_ids: Tensor) -> list[Tensor]:
     finally:
         for h in handles:
             h.remove()
-    return [1.0 / -a.log().mean(dim=(0, 1)) for a in decays]
 
 
 def run_root(directory: str | Path) -> Path:
