@@ -15,7 +15,7 @@ from griffin.layers.rg_lru import RGLRU
 from griffin.ops.rg_lru import rg_lru_ref
 from griffin.synth import InductionHeads, SelectiveCopying, train_task
 from griffin.synth.ablation import SHARES, answer_channels, answer_shares, silenced_prefix
-from griffin.synth.evaluate import answer_logits, answer_logits_ref
+from griffin.synth.evaluate import answer_logits, answer_logits_ref, forward_with_hooks
 from tests.synth.test_evaluate import tiny_model
 
 TRIGGER = InductionHeads.TRIGGER
@@ -70,12 +70,8 @@ def test_answer_shares_are_the_states_of_the_writes_at_their_positions(gen):
     ids = with_trigger(torch.randint(0, 16, (4, 40), generator=gen), at)
     ids[:, -1] = TRIGGER
     seen = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((mod, *args[:2], out[0])))
-             for m in model.modules() if isinstance(m, RGLRU)]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
+    forward_with_hooks(model, ids, [m for m in model.modules() if isinstance(m, RGLRU)],
+                       lambda mod, args, out: seen.append((mod, *args[:2], out[0])))
     shares = answer_shares(model, ids, TRIGGER)
     assert len(shares) == len(seen) == model.config.block_types.count("recurrent")
     t = torch.arange(ids.shape[1])[None, :]
@@ -93,8 +89,9 @@ def test_answer_shares_are_the_states_of_the_writes_at_their_positions(gen):
         with torch.no_grad():
             torch.testing.assert_close(log_a, lru.decay(x).log().mean(dim=(0, 1)))
     assert shares[0][0][0, 0].abs().sum() == 0  # a trigger at position 0: nothing before it
-    with pytest.raises(ValueError, match="no trigger before its last position"):
-        answer_shares(model, ids.clamp(min=1), TRIGGER)
+    ids[2, :-1] = ids[2, :-1].clamp(min=1)
+    with pytest.raises(ValueError, match=r"rows \[2\] have no trigger \(token 0\) before their last position"):
+        answer_shares(model, ids, TRIGGER)
 
 
 def test_answer_channels_name_the_channel_where_the_answer_stands_out():

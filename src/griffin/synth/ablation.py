@@ -113,8 +113,9 @@ def answer_shares(model: CausalLM, input_ids: Tensor, trigger: int) -> list[tupl
     cache). Refused for a model without an RG-LRU."""
     parents = _rg_lrus(model)
     first = (input_ids[:, :-1] == trigger).int().argmax(1)
-    if not (input_ids[torch.arange(len(input_ids)), first] == trigger).all():
-        raise ValueError("answer_shares: a sequence has no trigger before its last position")
+    missing = (input_ids[torch.arange(len(input_ids)), first] != trigger).nonzero().flatten().tolist()
+    if missing:
+        raise ValueError(f"answer_shares: rows {missing} have no trigger (token {trigger}) before their last position")
     T = input_ids.shape[1]
     t = torch.arange(T, device=input_ids.device)[None, :]
     width = model.config.conv1d_width
