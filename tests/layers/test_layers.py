@@ -147,6 +147,53 @@ def test_compiled_cpu_global_attention_attends_bf16_sequences_by_bmm(gen, monkey
         torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("T, window, bmm_calls", [(40, 16, 1), (300, 100, -(-300 // CAUSAL_BMM_CHUNK)),
+                                                  (CAUSAL_BMM_CHUNK * 3, 2 * CAUSAL_BMM_CHUNK + 1, 3)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_cpu_local_attention_attends_bf16_sequences_by_causal_chunks(gen, monkeypatch, T, window, bmm_calls,
+                                                                             packed):
+    """Local attention in a compiled bf16 CPU step over up to CAUSAL_BMM_MAX_LEN tokens: causal_attention with the
+    window, in chunks of CAUSAL_BMM_CHUNK queries through attention_bmm, each over the keys from the first its
+    window reaches (the sliding-window kernel never runs); the float64 layer's output and gradients within bf16's
+    rounding."""
+    import griffin.layers.attention as attention_layer
+    import griffin.ops.attention as attention
+
+    key_spans, attention_bmm = [], attention.attention_bmm
+
+    def spy(q, k, *args):
+        key_spans.append((q.shape[2], k.shape[2]))
+        return attention_bmm(q, k, *args)
+
+    def no_sliding(*args, **kwargs):
+        raise AssertionError("the sliding-window kernel ran")
+
+    cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa",
+                      attention_window=window)
+    att = MultiQueryAttention(cfg, local=True).double()
+    B = 2
+    segments, positions = documents(gen, B, T, 0.01) if packed else (None, torch.arange(T).expand(B, T))
+    x = rand(gen, B, T, 32)
+    dout = rand(gen, B, T, 32)
+    want = att(x.requires_grad_(), attention_context(positions, segments, cfg, torch.float64))
+    want_grads = torch.autograd.grad((want * dout).sum(), [x, *att.parameters()])
+    monkeypatch.setattr(attention, "attention_bmm", spy)
+    monkeypatch.setattr(attention_layer, "sliding_window_attention", no_sliding)
+    att16 = MultiQueryAttention(cfg, local=True).to(torch.bfloat16)
+    att16.load_state_dict(att.state_dict())
+    x16 = x.detach().to(torch.bfloat16).requires_grad_()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: att16(x, attention_context(positions, segments, cfg, torch.bfloat16)),
+                       backend="aot_eager", fullgraph=True)
+    out = fn(x16)
+    got_grads = torch.autograd.grad((out.double() * dout).sum(), [x16, *att16.parameters()])
+    C = CAUSAL_BMM_CHUNK
+    assert key_spans == [(min(C, T - lo), min(lo + C, T) - max(0, lo - window + 1)) for lo in range(0, T, C)]
+    assert len(key_spans) == bmm_calls
+    for a, b in [(out, want), *zip(got_grads, want_grads, strict=True)]:
+        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+
+
 def naive_attention(att: MultiQueryAttention, x, positions, segments, window):
     """Softmax attention written out query by query, with an explicit list of visible keys."""
     B, T, _ = x.shape

@@ -126,6 +126,30 @@ def test_causal_attention_in_chunks_matches_the_fused_kernel_float64(gen, trial)
             rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("trial", range(16))
+def test_causal_attention_with_a_window_matches_the_dense_reference_float64(gen, trial):
+    """Local attention through causal_attention's chunks (each over the keys from the first its window reaches:
+    chunks that do or do not divide T, windows shorter and longer than a chunk or than T, one or several key heads,
+    with and without documents) and unchunked, against sliding_window_attention_ref: outputs and gradients in
+    float64."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+
+    def pick(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    T, window = pick(1, 150), pick(1, 80)
+    chunk = None if trial % 4 == 3 else pick(1, 70)
+    H, Hk = [(1, 1), (2, 1), (4, 2)][trial % 3]
+    q, k, v, qs, ks = inputs(g, 2, T, 0, H, Hk, 8, torch.float64, trial % 2 == 1, requires_grad=True)
+    out = causal_attention(*(t.transpose(1, 2) for t in (q, k, v)), 0.4, qs, ks, chunk=chunk, window=window)
+    ref = sliding_window_attention_ref(q, k, v, window, 0.4, qs, ks)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out.transpose(1, 2) * dout).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * dout).sum(), (q, k, v))
+    for a, b in [(out.transpose(1, 2), ref), *zip(got, want, strict=True)]:
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 class FusedKernelDtypes(TorchDispatchMode):
     """Records the dtype of the queries of each fused attention kernel that runs while active."""
 

@@ -14,7 +14,7 @@ from griffin.config import ModelConfig
 from griffin.layers.context import EMPTY, Context
 from griffin.layers.linear_group import LinearGroup
 from griffin.layers.rope import apply_rope
-from griffin.ops.attention import causal_attention, masked_attention, sliding_window_attention
+from griffin.ops.attention import causal_attention, local_by_causal_chunks, masked_attention, sliding_window_attention
 
 
 @register_jitable
@@ -113,9 +113,12 @@ class MultiQueryAttention(nn.Module):
         T = q.shape[1]
         scale = self.head_dim**-0.5
         window = self.window
-        if window is not None and window < T:
+        local = window is not None and window < T
+        if local and not local_by_causal_chunks(q):
             return sliding_window_attention(q, k, v, window, scale, segments, segments)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if local:
+            return causal_attention(q, k, v, scale, segments, segments, window=window).transpose(1, 2)
         return causal_attention(q, k, v, scale, segments, segments).transpose(1, 2)
 
     def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, cache: KVCache) -> Tensor:

@@ -13,7 +13,10 @@ so C is a fraction of the window (:func:`local_chunk`). On a CPU under ``torch.c
 most :data:`BMM_MAX_SPAN` keys go through :func:`attention_bmm` instead (two batched matmuls with the masked softmax
 between, which the compiler fuses; the fused kernel's bf16 backward costs more at that size), and longer chunks through
 the fused kernel in float32 (:func:`fused_sdpa_float32`: under a mask its float32 kernels beat its bf16 ones).
-:func:`sliding_window_attention_ref` is the reference: one dense T × T mask, for tests.
+:func:`sliding_window_attention_ref` is the reference: one dense T × T mask, for tests. A compiled bf16 CPU step
+over at most :data:`CAUSAL_BMM_MAX_LEN` tokens without a cache takes neither: a layer's local attention goes through
+:func:`causal_attention` with the window (:func:`local_by_causal_chunks`), chunks of :data:`CAUSAL_BMM_CHUNK`
+queries by :func:`attention_bmm`, each over the keys from the first its window reaches, as global attention does.
 
 Layout: q (B, T, H, d); k, v (B, P + T, H_kv, d), where the first P keys precede the first query (the tokens
 held in a cache, oldest first; P = 0 without one). Query t sits at key index P + t. Segments (document ids) are
@@ -30,14 +33,15 @@ from torch import Tensor
 # within the noise of the best chunk at every window measured, and smaller chunks lose to per-chunk overhead
 # (benchmarks/local_attention.py --chunks-only; docs/performance.md, "Local attention").
 MIN_CHUNK, MAX_CHUNK = 64, 256
-# Keys per chunk up to which compiled bf16 CPU steps attend by attention_bmm: the griffin-cpu chunks (64 queries, 191
-# keys) run faster so, chunks over 512-token windows slower; a float32 step gained nothing measurable
+# Keys per chunk up to which compiled bf16 CPU calls of sliding_window_attention attend by attention_bmm: chunks of 64
+# queries over 191 keys ran faster so, chunks over 512-token windows slower; a float32 step gained nothing measurable
 # (benchmarks/local_attention.py --compiled; docs/performance.md, "Local attention").
 BMM_MAX_SPAN = 256
-# Global causal attention in a compiled bf16 CPU step, up to CAUSAL_BMM_MAX_LEN tokens: by attention_bmm, in one
-# call up to BMM_MAX_SPAN tokens, beyond in chunks of CAUSAL_BMM_CHUNK queries, each over the keys up to its last
-# query (A/B of the compiled MQA step, benchmarks/train_small.py; docs/performance.md, "Small-model training");
-# longer sequences through the fused kernel.
+# Causal attention in a compiled bf16 CPU step, up to CAUSAL_BMM_MAX_LEN tokens: by attention_bmm, global attention
+# in one call up to BMM_MAX_SPAN tokens, beyond (and local attention at any length) in chunks of CAUSAL_BMM_CHUNK
+# queries, each over the keys from the first its window reaches to its last query (A/B of the compiled MQA and
+# Griffin steps, benchmarks/train_small.py; docs/performance.md, "Small-model training"); longer sequences through
+# the fused kernel, or sliding_window_attention.
 CAUSAL_BMM_CHUNK, CAUSAL_BMM_MAX_LEN = 64, 1024
 
 
@@ -122,30 +126,45 @@ def causal_by_bmm(q: Tensor) -> bool:
     return compiled_cpu_half(q) and q.shape[2] <= CAUSAL_BMM_MAX_LEN
 
 
+def local_by_causal_chunks(q: Tensor) -> bool:
+    """Whether local attention of q (B, T, H, d) over its own T keys (no cache) goes through :func:`causal_attention`
+    with the window, chunk i over the keys from the first its window reaches: where :func:`causal_by_bmm`. Less work
+    than :func:`sliding_window_attention`'s chunks (the first chunks see fewer keys than the window) and no mask
+    materialised per chunk."""
+    return causal_by_bmm(q.transpose(1, 2))
+
+
+def causal_mask(q_pos: Tensor, k_pos: Tensor, window: int | None = None) -> Tensor:
+    """(L, S): True where the query at position q_pos[i] sees the key at k_pos[j]: not after it, and within the
+    ``window`` most recent keys if given."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    return delta >= 0 if window is None else (delta >= 0) & (delta < window)
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, q_seg: Tensor | None = None,
-                     k_seg: Tensor | None = None, chunk: int | None = None) -> Tensor:
+                     k_seg: Tensor | None = None, chunk: int | None = None, window: int | None = None) -> Tensor:
     """Causal attention of q (N, H, T, d) over k, v (N, H_kv, T, d), within each document if given segments q_seg,
-    k_seg (N, T). With ``chunk`` (default where :func:`causal_by_bmm`: T up to :data:`BMM_MAX_SPAN`, else
-    :data:`CAUSAL_BMM_CHUNK`): queries in chunks of that many, chunk i through :func:`attention_bmm` over the keys
-    up to its last query, the later ones being masked for all of it: (n + 1) / 2n of the whole T x T score work
-    for n chunks, and scores that stay in cache. Else :func:`fused_sdpa`, its reference."""
+    k_seg (N, T), and within the ``window`` most recent keys if given (local attention). With ``chunk`` (default
+    where :func:`causal_by_bmm`: :data:`CAUSAL_BMM_CHUNK`, or all T in one if T <= :data:`BMM_MAX_SPAN` and no
+    window): queries in chunks of that many, chunk i through :func:`attention_bmm` over the keys from the first its
+    window reaches to its last query, the later ones being masked for all of it: without a window (n + 1) / 2n of
+    the whole T x T score work for n chunks, and scores that stay in cache. Else :func:`fused_sdpa`, its reference."""
     T = q.shape[2]
     if chunk is None and causal_by_bmm(q):
-        chunk = T if T <= BMM_MAX_SPAN else CAUSAL_BMM_CHUNK
-    if chunk is None and q_seg is None:
+        chunk = T if T <= BMM_MAX_SPAN and window is None else CAUSAL_BMM_CHUNK
+    if chunk is None and q_seg is None and window is None:
         return fused_sdpa(q, k, v, None, scale, causal=True)
     idx = torch.arange(T, device=q.device)
-    if chunk is None:
-        mask = (idx[:, None] >= idx[None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
-        return fused_sdpa(q, k, v, mask[:, None], scale)
     outs = []
-    for lo in range(0, T, chunk):
-        hi = min(lo + chunk, T)
-        mask = idx[lo:hi, None] >= idx[None, :hi]  # (C, hi)
+    for lo in range(0, T, chunk or T):
+        hi = min(lo + (chunk or T), T)
+        start = 0 if window is None else max(0, lo - window + 1)
+        mask = causal_mask(idx[lo:hi], idx[start:hi], window)  # (C, hi - start)
         if q_seg is not None:
-            mask = (mask & (q_seg[:, lo:hi, None] == k_seg[:, None, :hi]))[:, None]  # (N, 1, C, hi)
-        outs.append(attention_bmm(q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], mask, scale))
-    return torch.cat(outs, 2)
+            mask = (mask & (q_seg[:, lo:hi, None] == k_seg[:, None, start:hi]))[:, None]  # (N, 1, C, hi - start)
+        qc, kc, vc = q[:, :, lo:hi], k[:, :, start:hi], v[:, :, start:hi]
+        outs.append(attention_bmm(qc, kc, vc, mask, scale) if chunk else fused_sdpa(qc, kc, vc, mask, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
 def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None,
@@ -155,8 +174,7 @@ def sliding_window_attention_ref(q: Tensor, k: Tensor, v: Tensor, window: int, s
     T = q.shape[1]
     q_pos = torch.arange(P, P + T, device=q.device)
     k_pos = torch.arange(P + T, device=q.device)
-    delta = q_pos[:, None] - k_pos[None, :]
-    mask = (delta >= 0) & (delta < window)
+    mask = causal_mask(q_pos, k_pos, window)
     if q_seg is not None:
         mask = (mask & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None]
     out = fused_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
