@@ -76,6 +76,42 @@ def test_the_trainer_refuses_a_source_that_is_not_one(tmp_path, gen):
         trainer.evaluate()
 
 
+@pytest.mark.parametrize("family", ["mqa", "griffin"])
+def test_whole_rows_train_without_positions_as_with_them(tmp_path, gen, family):
+    """A source of whole rows (each row one document from position 0): the model is given no positions (plain causal
+    attention, no document mask) and trains as it does given the positions (3 steps, within rounding); a batch whose
+    positions say otherwise is refused."""
+    seed = seed_of(gen)
+
+    class Packed(TaskSource):
+        whole_rows = False
+
+    def trainer(source_type, out):
+        cfg = TrainConfig(preset=f"{family}-synthetic", out=str(tmp_path / out), progress=False, tensorboard=False,
+                          seq_len=24, batch_size=2, max_steps=3, eval_interval=10**6, sample_tokens=0, precision="fp32",
+                          model={"vocab_size": 16, "attention_window": 8}, data="synthetic:induction_heads")
+        torch.manual_seed(seed)
+        return Trainer(cfg, source=source_type(InductionHeads(seq_len=24), 2, seed=seed, eval_sequences=2))
+
+    whole, packed = trainer(TaskSource, "whole"), trainer(Packed, "packed")
+    given = []
+    forward = whole.forward
+    whole.forward = lambda ids, positions, **kw: given.append(positions) or forward(ids, positions, **kw)
+    for _ in range(3):
+        a, b = whole.train_step(), packed.train_step()
+        torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
+    assert given == [None] * 3
+
+    class Lying(TaskSource):
+        def __next__(self):
+            batch = super().__next__()
+            return type(batch)(batch.input_ids, batch.positions.flip(1), batch.targets)
+
+    lying = trainer(Lying, "lying")
+    with pytest.raises(ValueError, match="Lying says whole_rows"):
+        lying.train_step()
+
+
 def test_command_line_train_eval_compare(tmp_path, capsys):
     quick = ["--max-steps", "2", "--batch-size", "2", "--eval-interval", "1", "--eval-sequences", "4", "--no-progress",
              "--no-tensorboard", "--seq-len", "16", "--window", "8"]

@@ -16,7 +16,10 @@ from griffin.synth.tasks import Task
 
 class TaskSource:
     """Batch ``i`` of the training stream is drawn from ``np.random.default_rng([seed, 0, i])``, so the stream is
-    reproducible from the seed and resumes from the batch index alone."""
+    reproducible from the seed and resumes from the batch index alone. Every row is one sequence from position 0
+    (``whole_rows``)."""
+
+    whole_rows = True
 
     def __init__(self, task: Task, batch_size: int, seed: int = 0, eval_sequences: int = 256,
                  eval_batch_size: int = 32, eval_seed: int = EVAL_SEED) -> None:

@@ -24,6 +24,10 @@ class BatchSource(Protocol):
         description: one line naming the data, printed in the run's header and stored in checkpoints.
         baseline_loss: the loss per target of predicting the targets' marginal frequencies (printed and plotted
             beside the validation loss, like the unigram loss of a text dataset).
+
+    Optional: ``whole_rows = True`` says that every row of every batch is one document from position 0 (positions
+    0, 1, ..., seq_len - 1; nothing packed or padded). The trainer then gives the model no positions, so attention
+    needs no document mask (the compiled step runs faster), and refuses a batch whose positions say otherwise.
     """
 
     vocab_size: int

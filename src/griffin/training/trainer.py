@@ -395,6 +395,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
 
         self.source = source
+        self.whole_rows = False  # every row one document from position 0: no positions given to the model
         self.examples = False  # the data: examples (griffin.data.examples) rather than a token stream
         self.val_examples = None
         self.eval_sample = ""  # the greedy reply to the first held-out example, at the last evaluation
@@ -525,6 +526,7 @@ class Trainer:
         self.meta = {"vocab_size": int(source.vocab_size), "tokenizer": None}
         self.data_line = f"data {source.description} (vocab {source.vocab_size})"
         self.loader = source
+        self.whole_rows = getattr(source, "whole_rows", False) is True
         self.val_batches = []
         self.unigram = float(source.baseline_loss)
         self.tokenizer_file = self.tokenizer = None
@@ -594,9 +596,20 @@ class Trainer:
         """This rank's contiguous shard of the sequences under context parallelism (``t`` itself without)."""
         return t if self.dist.cp == 1 else shard_sequence(t, self.dist.cp_rank, self.dist.cp)
 
+    def _positions(self, batch) -> Tensor | None:
+        """The batch's positions on the device; None for a source of whole rows (each row one document from 0: the
+        model's own positions, plain causal attention), after checking that the batch is so."""
+        if not self.whole_rows:
+            return self._shard(batch.positions).to(self.device, non_blocking=True)
+        B, T = batch.input_ids.shape
+        if not torch.equal(batch.positions, torch.arange(T).expand(B, T)):
+            raise ValueError(f"{type(self.source).__name__} says whole_rows (every row one document from position "
+                             "0), but a batch's positions are not 0, 1, ..., seq_len - 1 in every row")
+        return None
+
     def _loss_sum(self, batch) -> tuple[Tensor, Tensor]:
         ids = self._shard(batch.input_ids).to(self.device, non_blocking=True)
-        positions = self._shard(batch.positions).to(self.device, non_blocking=True)
+        positions = self._positions(batch)
         targets = self._shard(batch.targets).to(self.device, non_blocking=True)
         with self._autocast():
             loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk)
@@ -607,7 +620,7 @@ class Trainer:
         model the compiler fails on is refused here (or, with compile_fallback, trained uncompiled)."""
         shape = (self.cfg.batch_size, self.cfg.seq_len // self.dist.cp)
         ids = torch.zeros(shape, dtype=torch.long, device=self.device)
-        positions = torch.arange(shape[1], device=self.device).repeat(shape[0], 1)  # strided as a batch is
+        positions = None if self.whole_rows else torch.arange(shape[1], device=self.device).repeat(shape[0], 1)
         with self._autocast():
             self.forward.check(ids, positions, targets=ids.clone(), loss_chunk=self.cfg.loss_chunk)
         if not self.forward.compiled:
