@@ -93,14 +93,16 @@ def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
     The query heads sharing a key/value head are rows of one matmul (no copy of the keys per head). Holds the
     (N, H, L, S) scores: for small blocks."""
     N, H, L, d = q.shape
-    Hk, S = k.shape[1], k.shape[2]
+    Hk = k.shape[1]
+    G = H // Hk
     acc = torch.promote_types(q.dtype, torch.float32)
     scale = d**-0.5 if scale is None else scale
-    scores = torch.matmul(q.to(acc).reshape(N, Hk, H // Hk * L, d), k.to(acc).transpose(-1, -2))
-    scores = scores.view(N, Hk, H // Hk, L, S) * scale
-    seen = mask if mask.dim() == 2 else mask[:, :, None]  # (L, S) or (N or 1, 1, 1, L, S)
+    scores = torch.matmul(q.to(acc).reshape(N, Hk, G * L, d), k.to(acc).transpose(-1, -2)) * scale
+    # each row's mask, for the G heads' rows stacked: (G * L, S) or (N or 1, 1, G * L, S); Inductor's softmax over
+    # a 5-D view of the scores, the mask broadcast over G, ran at half the speed
+    seen = mask if G == 1 else mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
     probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-    return torch.matmul(probs.view(N, Hk, H // Hk * L, S), v.to(acc)).view(N, H, L, d).to(q.dtype)
+    return torch.matmul(probs, v.to(acc)).view(N, H, L, d).to(q.dtype)
 
 
 def fused_sdpa_float32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
