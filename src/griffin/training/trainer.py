@@ -620,7 +620,9 @@ class Trainer:
         model the compiler fails on is refused here (or, with compile_fallback, trained uncompiled)."""
         shape = (self.cfg.batch_size, self.cfg.seq_len // self.dist.cp)
         ids = torch.zeros(shape, dtype=torch.long, device=self.device)
-        positions = None if self.whole_rows else torch.arange(shape[1], device=self.device).repeat(shape[0], 1)
+        positions = torch.arange(shape[1], device=self.device).repeat(shape[0], 1)  # strided as a batch is
+        if self.whole_rows:  # as the training batches: no positions
+            positions = None
         with self._autocast():
             self.forward.check(ids, positions, targets=ids.clone(), loss_chunk=self.cfg.loss_chunk)
         if not self.forward.compiled:
