@@ -109,13 +109,35 @@ def test_rope_angles_are_one_operator_in_a_compiled_cpu_step(gen):
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
+def compiled_bf16_against_float64(gen, cfg: ModelConfig, local: bool, T: int, packed: bool) -> None:
+    """The attention layer in float64, eager, then in bf16 compiled (aot_eager, as a compiled CPU step traces it) on
+    the same weights and input: the output and gradients within bf16's rounding."""
+    att = MultiQueryAttention(cfg, local=local).double()
+    B = 2
+    segments, positions = documents(gen, B, T, 0.01) if packed else (None, torch.arange(T).expand(B, T))
+    x = rand(gen, B, T, cfg.width)
+    dout = rand(gen, B, T, cfg.width)
+    want = att(x.requires_grad_(), attention_context(positions, segments, cfg, torch.float64))
+    want_grads = torch.autograd.grad((want * dout).sum(), [x, *att.parameters()])
+    att16 = MultiQueryAttention(cfg, local=local).to(torch.bfloat16)
+    att16.load_state_dict(att.state_dict())
+    x16 = x.detach().to(torch.bfloat16).requires_grad_()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: att16(x, attention_context(positions, segments, cfg, torch.bfloat16)),
+                       backend="aot_eager", fullgraph=True)
+    out = fn(x16)
+    got_grads = torch.autograd.grad((out.double() * dout).sum(), [x16, *att16.parameters()])
+    for a, b in [(out, want), *zip(got_grads, want_grads, strict=True)]:
+        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+
+
 @pytest.mark.parametrize("T, bmm_calls", [(40, 1), (300, -(-300 // CAUSAL_BMM_CHUNK)), (CAUSAL_BMM_MAX_LEN + 1, 0)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_compiled_cpu_global_attention_attends_bf16_sequences_by_bmm(gen, monkeypatch, T, bmm_calls, packed):
     """Global attention in a compiled bf16 CPU step: up to BMM_MAX_SPAN tokens through one attention_bmm call, up
     to CAUSAL_BMM_MAX_LEN in chunks of CAUSAL_BMM_CHUNK queries (the causal mask, and the documents' when packed),
-    longer sequences through the fused kernel; either way the float64 layer's output and gradients within bf16's
-    rounding."""
+    longer sequences through the fused kernel (as is the eager float64 layer); either way the float64 layer's output
+    and gradients within bf16's rounding."""
     import griffin.ops.attention as attention
 
     calls, attention_bmm = [], attention.attention_bmm
@@ -126,25 +148,8 @@ def test_compiled_cpu_global_attention_attends_bf16_sequences_by_bmm(gen, monkey
 
     monkeypatch.setattr(attention, "attention_bmm", spy)
     cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa")
-    att = MultiQueryAttention(cfg, local=False).double()
-    B = 2
-    segments, positions = documents(gen, B, T, 0.01) if packed else (None, torch.arange(T).expand(B, T))
-    x = rand(gen, B, T, 32)
-    dout = rand(gen, B, T, 32)
-    want = att(x.requires_grad_(), attention_context(positions, segments, cfg, torch.float64))
-    want_grads = torch.autograd.grad((want * dout).sum(), [x, *att.parameters()])
-    att16 = MultiQueryAttention(cfg, local=False).to(torch.bfloat16)
-    att16.load_state_dict(att.state_dict())
-    x16 = x.detach().to(torch.bfloat16).requires_grad_()
-    assert not calls  # eager: the fused kernel
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x: att16(x, attention_context(positions, segments, cfg, torch.bfloat16)),
-                       backend="aot_eager", fullgraph=True)
-    out = fn(x16)
-    got_grads = torch.autograd.grad((out.double() * dout).sum(), [x16, *att16.parameters()])
+    compiled_bf16_against_float64(gen, cfg, False, T, packed)
     assert len(calls) == bmm_calls
-    for a, b in [(out, want), *zip(got_grads, want_grads, strict=True)]:
-        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
 
 
 @pytest.mark.parametrize("T, window, bmm_calls", [(40, 16, 1), (300, 100, -(-300 // CAUSAL_BMM_CHUNK)),
@@ -154,44 +159,31 @@ def test_compiled_cpu_local_attention_attends_bf16_sequences_by_causal_chunks(ge
                                                                              packed):
     """Local attention in a compiled bf16 CPU step over up to CAUSAL_BMM_MAX_LEN tokens: causal_attention with the
     window, in chunks of CAUSAL_BMM_CHUNK queries through attention_bmm, each over the keys from the first its
-    window reaches (the sliding-window kernel never runs); the float64 layer's output and gradients within bf16's
-    rounding."""
+    window reaches (the sliding-window kernel runs only in the eager float64 layer); the float64 layer's output and
+    gradients within bf16's rounding."""
     import griffin.layers.attention as attention_layer
     import griffin.ops.attention as attention
 
-    key_spans, attention_bmm = [], attention.attention_bmm
+    key_spans, sliding = [], []
+    attention_bmm, sliding_window_attention = attention.attention_bmm, attention_layer.sliding_window_attention
 
     def spy(q, k, *args):
         key_spans.append((q.shape[2], k.shape[2]))
         return attention_bmm(q, k, *args)
 
-    def no_sliding(*args, **kwargs):
-        raise AssertionError("the sliding-window kernel ran")
+    def sliding_spy(*args):
+        sliding.append(args[0].dtype)
+        return sliding_window_attention(*args)
 
+    monkeypatch.setattr(attention, "attention_bmm", spy)
+    monkeypatch.setattr(attention_layer, "sliding_window_attention", sliding_spy)
     cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa",
                       attention_window=window)
-    att = MultiQueryAttention(cfg, local=True).double()
-    B = 2
-    segments, positions = documents(gen, B, T, 0.01) if packed else (None, torch.arange(T).expand(B, T))
-    x = rand(gen, B, T, 32)
-    dout = rand(gen, B, T, 32)
-    want = att(x.requires_grad_(), attention_context(positions, segments, cfg, torch.float64))
-    want_grads = torch.autograd.grad((want * dout).sum(), [x, *att.parameters()])
-    monkeypatch.setattr(attention, "attention_bmm", spy)
-    monkeypatch.setattr(attention_layer, "sliding_window_attention", no_sliding)
-    att16 = MultiQueryAttention(cfg, local=True).to(torch.bfloat16)
-    att16.load_state_dict(att.state_dict())
-    x16 = x.detach().to(torch.bfloat16).requires_grad_()
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x: att16(x, attention_context(positions, segments, cfg, torch.bfloat16)),
-                       backend="aot_eager", fullgraph=True)
-    out = fn(x16)
-    got_grads = torch.autograd.grad((out.double() * dout).sum(), [x16, *att16.parameters()])
+    compiled_bf16_against_float64(gen, cfg, True, T, packed)
     C = CAUSAL_BMM_CHUNK
+    assert sliding == [torch.float64]
     assert key_spans == [(min(C, T - lo), min(lo + C, T) - max(0, lo - window + 1)) for lo in range(0, T, C)]
     assert len(key_spans) == bmm_calls
-    for a, b in [(out, want), *zip(got_grads, want_grads, strict=True)]:
-        torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
 
 
 def naive_attention(att: MultiQueryAttention, x, positions, segments, window):
