@@ -55,7 +55,8 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
     causal_attention, ops_sdpa = attention_layer.causal_attention, attention_ops.fused_sdpa
     local_attention = attention_layer.sliding_window_attention
 
-    def recording_causal_attention(q, k, v, scale=None, q_seg=None, k_seg=None):  # global: (N, H, T, d)
+    def recording_causal_attention(q, k, v, scale=None, q_seg=None, k_seg=None, window=None):  # global: (N, H, T, d)
+        assert window is None  # eager local attention goes through the sliding-window kernel
         tq = q.shape[-2]
         if q_seg is None:
             pairs = math.prod(q.shape[:-2]) * tq * (tq + 1) / 2
@@ -64,7 +65,7 @@ def count_forward(model: CausalLM, ids: torch.Tensor, monkeypatch) -> tuple[int,
             seen = (idx[:, None] >= idx[None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
             pairs = q.shape[1] * seen.sum().item()
         useful[0] += 4 * q.shape[-1] * pairs
-        return causal_attention(q, k, v, scale, q_seg, k_seg)
+        return causal_attention(q, k, v, scale, q_seg, k_seg, window=window)
 
     def recording_ops_sdpa(q, k, v, mask=None, scale=None, causal=False):  # the fused kernel, global or in chunks
         record_executed(q, k)

@@ -112,14 +112,11 @@ class MultiQueryAttention(nn.Module):
         """Causal attention within the sequence (training, or a prompt without a cache)."""
         T = q.shape[1]
         scale = self.head_dim**-0.5
-        window = self.window
-        local = window is not None and window < T
-        if local and not local_by_causal_chunks(q):
+        window = self.window if self.window is not None and self.window < T else None  # None: global
+        if window is not None and not local_by_causal_chunks(q):
             return sliding_window_attention(q, k, v, window, scale, segments, segments)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if local:
-            return causal_attention(q, k, v, scale, segments, segments, window=window).transpose(1, 2)
-        return causal_attention(q, k, v, scale, segments, segments).transpose(1, 2)
+        return causal_attention(q, k, v, scale, segments, segments, window=window).transpose(1, 2)
 
     def attend_ring(self, q: Tensor, k: Tensor, v: Tensor, segments: Tensor, cache: KVCache) -> Tensor:
         """Local attention over the ring buffer, then the new tokens replace the oldest. One token per row: the ring

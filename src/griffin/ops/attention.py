@@ -157,9 +157,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     if chunk is None and q_seg is None and window is None:
         return fused_sdpa(q, k, v, None, scale, causal=True)
     idx = torch.arange(T, device=q.device)
-    outs = []
-    for lo in range(0, T, chunk or T):
-        hi = min(lo + (chunk or T), T)
+    outs, step = [], chunk or T
+    for lo in range(0, T, step):
+        hi = min(lo + step, T)
         start = 0 if window is None else max(0, lo - window + 1)
         mask = causal_mask(idx[lo:hi], idx[start:hi], window)  # (C, hi - start)
         if q_seg is not None:
