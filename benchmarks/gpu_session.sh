@@ -5,9 +5,11 @@
 #
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 #
-#   scan          the RG-LRU kernel against copy, accelerated-scan and fla's HGRN kernels: B=8, T=2K/8K,
-#                 D=1024/2560, bf16 and fp32, forward and forward+backward, eager and CUDA-graph (~2 min)
-#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~1.5 min)
+#   scan          the RG-LRU kernels (the default, and the runs and lanes designs forced) against copy and fla's
+#                 chunked HGRN kernel (the fastest peer on 2026-11-28): B=8, T=2K/8K, D=1024/2560, bf16 and fp32,
+#                 forward and forward+backward, eager and CUDA-graph (~2 min)
+#   scan-peers    the same shapes against every peer: accelerated-scan, fla's recurrent and chunked HGRN (~2.5 min)
+#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~2 min)
 #   train         the training step at 400M (Appendix C), bf16 autocast, tokens/s and MFU, T = 2K and 8K (~2 min)
 #   decode        MQA, Hawk, Griffin at 1B: decode latency at batch 64 (empty and 1K prompt), throughput to batch
 #                 128, decode bandwidth against copy, and HF generate on the same Griffin weights (~2.5 min; the
@@ -17,6 +19,7 @@
 #                 clients against HF generate one request at a time (~3 min; on 2026-11-28 the chat and few-shot
 #                 workloads it then also ran kept HF out of the limit: they are left out now)
 #   sweep         scan_gpu.py --sweep: kernel tile configurations (choose select_config's tables per GPU; ~4 min)
+#   sweep-runs    the runs kernels' configurations alone, at the scan step's B = 8 shapes and B = 1 (~1.5 min)
 #   fig9b, local  Figure 9b (hawk_scan_backends.py) and local attention (FlexAttention) on CUDA
 #
 # Wheels the image lacks travel with the working tree (no internet there): on a machine with internet, from the
@@ -62,10 +65,13 @@ for step in "$@"; do
     case "$step" in
         scan)
             run scan 150 "$PY" benchmarks/scan_gpu.py --shapes 8x2048x1024 8x8192x1024 8x2048x2560 8x8192x2560 \
-                --dtypes bf16 fp32 --impls accelerated-scan fla-hgrn-recurrent fla-hgrn-chunk \
-                --out "$RESULTS/scan_gpu.json" ;;
+                --dtypes bf16 fp32 --impls fla-hgrn-chunk --out "$RESULTS/scan_gpu.json" ;;
+        scan-peers)
+            run scan-peers 150 "$PY" benchmarks/scan_gpu.py --shapes 8x2048x1024 8x8192x1024 8x2048x2560 \
+                8x8192x2560 --dtypes bf16 fp32 --impls accelerated-scan fla-hgrn-recurrent fla-hgrn-chunk \
+                --out "$RESULTS/scan_gpu_peers.json" ;;
         tests)
-            run tests 110 "$PY" -m pytest -q -x -p no:cacheprovider -m "slow or not slow" \
+            run tests 150 "$PY" -m pytest -q --tb=short -p no:cacheprovider -m "slow or not slow" \
                 tests/ops tests/layers tests/test_model.py tests/test_compile.py \
                 tests/inference tests/benchmarks/test_scan_peers.py -k "cuda or full_size or graph or triton" ;;
         train)
@@ -87,6 +93,9 @@ for step in "$@"; do
                 --figure "" ;;
         sweep)
             run sweep 280 "$PY" benchmarks/scan_gpu.py --sweep --out "$RESULTS/scan_gpu_sweep.json" ;;
+        sweep-runs)
+            run sweep-runs 120 "$PY" benchmarks/scan_gpu.py --sweep runs --shapes 8x8192x1024 8x2048x2560 \
+                1x8192x2560 --out "$RESULTS/scan_gpu_sweep_runs.json" ;;
         fig9b)
             run fig9b 200 "$PY" benchmarks/hawk_scan_backends.py --device cuda --width 1024 --depth 12 \
                 --seq-len 2048 --batch 8 --backends native associative fused \
@@ -95,7 +104,8 @@ for step in "$@"; do
             run local 150 "$PY" benchmarks/local_attention.py --device cuda --dtype bfloat16 --flex \
                 --out "$RESULTS/local_attention_cuda.json" ;;
         *)
-            echo "unknown step: $step (scan, tests, train, decode, decode-graph, serve, sweep, fig9b, local)" >&2
+            echo "unknown step: $step (scan, scan-peers, tests, train, decode, decode-graph, serve, sweep, sweep-runs," \
+                "fig9b, local)" >&2
             exit 2 ;;
     esac
 done
