@@ -5,21 +5,20 @@
 #
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 #
-#   scan          the RG-LRU kernels (the default, and the runs and lanes designs forced) against copy and fla's
-#                 chunked HGRN kernel (the fastest peer on 2026-11-28): B=8, T=2K/8K, D=1024/2560, bf16 and fp32,
-#                 forward and forward+backward, eager and CUDA-graph (~2 min)
+#   scan          the RG-LRU kernel against copy and fla's chunked HGRN kernel (the fastest peer on 2026-11-28):
+#                 B=8, T=2K/8K, D=1024/2560, bf16 and fp32, forward and forward+backward, eager and CUDA-graph (~1.5 min)
 #   scan-peers    the same shapes against every peer: accelerated-scan, fla's recurrent and chunked HGRN (~2.5 min)
-#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~2 min)
+#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~3 min)
+#   tests-scan    the RG-LRU kernel's tests alone (full size, torch.compile, CUDA graph; ~1 min)
 #   train         the training step at 400M (Appendix C), bf16 autocast, tokens/s and MFU, T = 2K and 8K (~2 min)
 #   decode        MQA, Hawk, Griffin at 1B: decode latency at batch 64 (empty and 1K prompt), throughput to batch
 #                 128, decode bandwidth against copy, and HF generate on the same Griffin weights (~2.5 min; the
 #                 eager step is ~30 ms at batch 64: on 2026-11-28 throughput to batch 256 ran past the limit)
-#   decode-graph  Griffin 1B decoded by the torch.compile'd step (CUDA graphs), batch 1 and 64 (compiling: ~3 min)
+#   decode-graph  Griffin 1B decoded by the torch.compile'd step (CUDA graphs), batch 1 and 64 (~1.5 min)
 #   serve         benchmarks/serve_load.py --device cuda: a 0.6B byte-level Griffin in bf16, 1, 32 and 256 closed-loop
 #                 clients against HF generate one request at a time (~3 min; on 2026-11-28 the chat and few-shot
 #                 workloads it then also ran kept HF out of the limit: they are left out now)
 #   sweep         scan_gpu.py --sweep: kernel tile configurations (choose select_config's tables per GPU; ~4 min)
-#   sweep-runs    the runs kernels' configurations alone, at the scan step's B = 8 shapes and B = 1 (~1.5 min)
 #   fig9b, local  Figure 9b (hawk_scan_backends.py) and local attention (FlexAttention) on CUDA
 #
 # Wheels the image lacks travel with the working tree (no internet there): on a machine with internet, from the
@@ -71,9 +70,12 @@ for step in "$@"; do
                 8x8192x2560 --dtypes bf16 fp32 --impls accelerated-scan fla-hgrn-recurrent fla-hgrn-chunk \
                 --out "$RESULTS/scan_gpu_peers.json" ;;
         tests)
-            run tests 150 "$PY" -m pytest -q --tb=short -p no:cacheprovider -m "slow or not slow" \
+            run tests 200 "$PY" -m pytest -q --tb=short -p no:cacheprovider -m "slow or not slow" \
                 tests/ops tests/layers tests/test_model.py tests/test_compile.py \
                 tests/inference tests/benchmarks/test_scan_peers.py -k "cuda or full_size or graph or triton" ;;
+        tests-scan)
+            run tests-scan 120 "$PY" -m pytest -q --tb=line -rf -p no:cacheprovider -m "slow or not slow" \
+                tests/ops/test_rg_lru_triton.py ;;
         train)
             run train 150 "$PY" benchmarks/train_speed.py --scale paper-400m --device cuda --seq-lens 2048 8192 \
                 --warmup 2 --steps 5 --out "$RESULTS/train_speed_400m.json" --plot "" ;;
@@ -93,9 +95,6 @@ for step in "$@"; do
                 --figure "" ;;
         sweep)
             run sweep 280 "$PY" benchmarks/scan_gpu.py --sweep --out "$RESULTS/scan_gpu_sweep.json" ;;
-        sweep-runs)
-            run sweep-runs 120 "$PY" benchmarks/scan_gpu.py --sweep runs --shapes 8x8192x1024 8x2048x2560 \
-                1x8192x2560 --out "$RESULTS/scan_gpu_sweep_runs.json" ;;
         fig9b)
             run fig9b 200 "$PY" benchmarks/hawk_scan_backends.py --device cuda --width 1024 --depth 12 \
                 --seq-len 2048 --batch 8 --backends native associative fused \
@@ -104,7 +103,7 @@ for step in "$@"; do
             run local 150 "$PY" benchmarks/local_attention.py --device cuda --dtype bfloat16 --flex \
                 --out "$RESULTS/local_attention_cuda.json" ;;
         *)
-            echo "unknown step: $step (scan, scan-peers, tests, train, decode, decode-graph, serve, sweep, sweep-runs," \
+            echo "unknown step: $step (scan, scan-peers, tests, tests-scan, train, decode, decode-graph, serve, sweep," \
                 "fig9b, local)" >&2
             exit 2 ;;
     esac

@@ -1,16 +1,15 @@
 """GPU benchmark of the RG-LRU (paper Section 4.2, Figure 9a setting of Appendix D: batch 8, width 1024).
 
-Times the fused Triton kernels (:mod:`griffin.ops.rg_lru.triton`: "triton" as the model calls it, and each design
-forced, "triton-runs" and "triton-lanes") against, in the same run, a large device-to-device copy (the practical
-bandwidth limit), the naive PyTorch loop (:func:`griffin.ops.rg_lru.rg_lru_ref`), torch.compile of the gate math
-plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
+Times the fused Triton kernel (:mod:`griffin.ops.rg_lru.triton`) against, in the same run, a large device-to-device
+copy (the practical bandwidth limit), the naive PyTorch loop (:func:`griffin.ops.rg_lru.rg_lru_ref`), torch.compile
+of the gate math plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
 (``benchmarks/scan_peers.py`` says how, without internet). Every implementation is first checked against the
 float64 reference (output and gradients, B=2, T=512, D=96) and left out, with a note, if it is wrong.
 Forward, backward and forward+backward, bf16 I/O (``--dtypes`` adds fp32). Achieved bandwidth = bytes an ideal
 fused kernel must move / time:
 forward reads x, gate_x, gate_a and writes y (4 arrays); backward reads x, gate_x, gate_a, dy and writes dx, dgate_x,
 dgate_a (7 arrays). Medians of ``triton.testing.do_bench`` (eager, L2 flushed between calls) and, for the Triton
-kernels, also of ``do_bench_cudagraph`` (replays of a CUDA graph: device time without Python launch overhead;
+kernel, also of ``do_bench_cudagraph`` (replays of a CUDA graph: device time without Python launch overhead;
 backward = forward+backward - forward there). A baseline whose backward fails is timed forward-only.
 
     PYTHONPATH=src python benchmarks/scan_gpu.py [--quick] [--out benchmarks/results/scan_gpu.json]
@@ -160,8 +159,6 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     print(f"device: {props.name}, {props.multi_processor_count} SMs; copy {copy['GB/s']:.0f} GB/s", flush=True)
     impls: dict[str, Callable[..., tuple[Tensor, Tensor]] | str] = {
         "triton": lambda *t: kernels.rg_lru_triton(*t, C),
-        "triton-lanes": lambda *t: kernels.rg_lru_triton(*t, C, variant="lanes"),
-        "triton-runs": lambda *t: kernels.rg_lru_triton(*t, C, variant="runs"),
         "torch.compile": compiled_gates_and_scan(),
         "pytorch-loop": lambda *t: rg_lru_ref(*t, C),
     }
@@ -170,7 +167,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         unknown = sorted(set(args.impls) - set(impls))
         if unknown:
             raise SystemExit(f"--impls: unknown {unknown}; known: {sorted(impls)}")
-        impls = {name: fn for name, fn in impls.items() if name in args.impls or name.startswith("triton")}
+        impls = {name: fn for name, fn in impls.items() if name in args.impls or name == "triton"}
     check, errors = make_inputs(2, 512, 96, torch.bfloat16, seed=1), {}
     for name, fn in list(impls.items()):
         if isinstance(fn, str):
@@ -221,17 +218,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         del inputs
         torch.cuda.empty_cache()
         save(args, {**result, "partial": True})
-    for name in ("triton", "triton-lanes", "triton-runs"):
-        for shape, dtype in cases:
-            if isinstance(impls[name], str):
-                break
-            try:
-                ms = time_graphed(impls[name], make_inputs(*shape, DTYPES[dtype]), args.quick)
-            except Exception as err:
-                notes[f"{name} cuda-graph"] = f"capture failed at {shape} {dtype}: {_error(err)}"
-                break
-            result["rows"].append(_row(name, "cuda-graph", shape, dtype, ms, copy["GB/s"]))
-            save(args, {**result, "partial": True})
+    for shape, dtype in cases:
+        try:
+            ms = time_graphed(impls["triton"], make_inputs(*shape, DTYPES[dtype]), args.quick)
+        except Exception as err:
+            notes["triton cuda-graph"] = f"capture failed at {shape} {dtype}: {_error(err)}"
+            break
+        result["rows"].append(_row("triton", "cuda-graph", shape, dtype, ms, copy["GB/s"]))
+        save(args, {**result, "partial": True})
     if args.loop_max_t < max(steps_list):
         notes["pytorch-loop"] = f"timed up to T={args.loop_max_t} only (one Python step per token)"
     return result
@@ -258,13 +252,8 @@ def print_table(result: dict) -> None:
         print(f"note: {key}: {note}")
 
 
-SWEEP_RUNS = [
-    # (block_t, block_d, num_warps, num_stages, run): the runs kernels, one chunk, the same for both directions
-    (64, 32, 2, 3, 8), (32, 16, 1, 3, 8), (32, 16, 1, 3, 4), (64, 32, 1, 3, 8), (64, 64, 4, 3, 8), (32, 32, 2, 3, 8),
-    (32, 16, 1, 2, 8), (32, 16, 1, 4, 8), (64, 16, 1, 3, 8), (128, 16, 1, 3, 16), (16, 16, 1, 3, 4),
-]  # fmt: skip
 SWEEP_CONFIGS = [
-    # (block_t, block_d, num_warps, num_stages): the lanes kernels
+    # (block_t, block_d, num_warps, num_stages)
     (32, 32, 4, 3), (32, 32, 4, 2), (32, 32, 4, 4), (64, 32, 8, 3), (64, 32, 4, 3), (128, 32, 16, 2),
     (64, 16, 4, 3), (32, 16, 2, 3), (32, 32, 2, 3), (16, 32, 1, 3), (16, 16, 1, 3), (16, 32, 2, 3),
 ]  # fmt: skip
@@ -274,14 +263,13 @@ def _measure_config(cfg: kernels.KernelConfig, case: dict, copy_gbs: float, quic
     """Time one configuration's forward and backward launches on case; compare with case["ref"] if set."""
     kernels.select_config = lambda *_, **__: cfg
     x, gate_x, gate_a, scale, dy, dh = (case[k] for k in ("x", "gate_x", "gate_a", "scale", "dy", "dh"))
-    y, _, ckpt = torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0, "auto")
-    grads = torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0, "auto")
+    y, _, ckpt = torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0)
+    grads = torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0)
     outs = [y, *grads[:4]]
     err = max(_rel(a, b) for a, b in zip(outs, case["ref"], strict=True)) if case["ref"] else 0.0
     case["ref"] = case["ref"] or outs
-    ms_f = bench(lambda: torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0, "auto"), quick)
-    ms_b = bench(lambda: torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0, "auto"),
-                 quick)
+    ms_f = bench(lambda: torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0), quick)
+    ms_b = bench(lambda: torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0), quick)
     n_bytes = x.numel() * x.element_size()
     batch, steps, dim = x.shape
     row = {"B": batch, "T": steps, "D": dim, **dataclasses.asdict(cfg), "n_chunks": triton.cdiv(steps, cfg.chunk_t)}
@@ -294,26 +282,16 @@ def _measure_config(cfg: kernels.KernelConfig, case: dict, copy_gbs: float, quic
 
 
 def run_sweep(args: argparse.Namespace) -> dict:
-    """Time the forward and backward launches per configuration (and time-chunk count of the lanes kernels), bf16;
-    check each result against the first configuration's."""
+    """Time the forward and backward launches per configuration and time-chunk count, bf16; check each result."""
     select_config = kernels.select_config
     copy = copy_bandwidth(args.quick)
     results = []
-    shapes = args.shapes or [(8, 4096, 1024), (1, 8192, 2560)]
+    shapes = [(8, 4096, 1024), (1, 8192, 2560)]
     for batch, steps, dim in shapes:
         x, gate_x, gate_a, a_param = make_inputs(batch, steps, dim, torch.bfloat16)
         scale = (-C * math.log2(math.e)) * torch.nn.functional.softplus(a_param)
         case = dict(x=x, gate_x=gate_x, gate_a=gate_a, scale=scale, dy=torch.randn_like(x), ref=None)
         case["dh"] = torch.zeros(batch, dim, device="cuda")
-        if args.sweep in ("all", "runs"):
-            for bt, bd, nw, ns, run in SWEEP_RUNS:
-                cfg = kernels.KernelConfig(bt, bd, triton.cdiv(steps, bt) * bt, nw, num_stages=ns, run=run)
-                try:
-                    results.append(_measure_config(cfg, case, copy["GB/s"], args.quick))
-                except Exception as err:  # a configuration the compiler rejects (e.g. out of registers)
-                    print(f"  {cfg}: failed {type(err).__name__}: {str(err)[:200]}", flush=True)
-        if args.sweep == "runs":
-            continue
         stage1 = []
         for bt, bd, nw, ns in SWEEP_CONFIGS:
             cfg = kernels.KernelConfig(bt, bd, triton.cdiv(steps, bt) * bt, nw, num_stages=ns)
@@ -335,7 +313,7 @@ def run_sweep(args: argparse.Namespace) -> dict:
             rows = sorted((r for r in results if (r["B"], r["T"], r["D"]) == shape), key=lambda r: r[key])
             print(f"best {key[:3]} for B,T,D={shape}:")
             for r in rows[:6]:
-                fields = ("block_t", "block_d", "num_warps", "num_stages", "run", "n_chunks")
+                fields = ("block_t", "block_d", "num_warps", "num_stages", "n_chunks")
                 print(f"   {r[key]:.3f} ms", *(f"{k}={r[k]}" for k in fields), f"err={r['max_rel_err_vs_first']:.1e}")
     return {"device": torch.cuda.get_device_name(), "copy": copy, "sweep": results}
 
@@ -356,11 +334,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/scan_gpu.json"))
     parser.add_argument("--quick", action="store_true", help="two sequence lengths, short timing runs")
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "runs", "lanes"],
-                        help="time kernel configurations instead (all, or the runs or the lanes kernels only)")
+    parser.add_argument("--sweep", action="store_true", help="time kernel configurations instead")
     parser.add_argument("--loop-max-t", type=int, default=2048, help="longest T for the Python-loop baseline")
-    parser.add_argument("--shapes", type=_shape, nargs="+",
-                        help="BxTxD cases (default: the Figure 9a set; --sweep: 8x4096x1024 and 1x8192x2560)")
+    parser.add_argument("--shapes", type=_shape, nargs="+", help="BxTxD cases (default: the Figure 9a set)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"], help="input/output dtypes")
     parser.add_argument("--impls", nargs="+", help="implementations besides triton (default: all; names are "
                         "triton, torch.compile, pytorch-loop and benchmarks/scan_peers.py's)")

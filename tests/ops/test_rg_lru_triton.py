@@ -20,8 +20,9 @@ if sys.platform != "linux":  # the test extra installs Triton on Linux, where it
     pytest.skip("Triton is only available on Linux", allow_module_level=True)
 import triton  # noqa: E402,F401
 
+import griffin.ops.rg_lru.triton as rg_lru_triton_module  # noqa: E402
 from griffin.ops.rg_lru import rg_lru, rg_lru_ref  # noqa: E402
-from griffin.ops.rg_lru.triton import KernelConfig, rg_lru_triton, select_config  # noqa: E402
+from griffin.ops.rg_lru.triton import rg_lru_triton, select_config  # noqa: E402
 from tests.conftest import max_relative_error  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -52,10 +53,10 @@ def _inputs(gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtyp
     return tensors, None if init is None else init.to(DEVICE), None if starts is None else starts.to(DEVICE)
 
 
-def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: int = 0, variant: str = "auto") -> None:
+def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: int = 0) -> None:
     tensors, init, starts = _inputs(gen, shape, dtype, h0, reset)
     leaves = [t.clone().requires_grad_() for t in tensors] + ([init.clone().requires_grad_()] if h0 else [])
-    y, h_last = rg_lru_triton(*leaves[:4], 8.0, leaves[4] if h0 else None, starts, chunk_t=chunk_t, variant=variant)
+    y, h_last = rg_lru_triton(*leaves[:4], 8.0, leaves[4] if h0 else None, starts, chunk_t=chunk_t)
     assert y.dtype == dtype and h_last.dtype == torch.float32
 
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
@@ -76,32 +77,19 @@ def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: in
     assert max(errors.values()) < tol, errors
 
 
-TINY = [(1, 1, 1), (2, 7, 5), (3, 37, 20), (2, 64, 16), (2, 45, 33)]
-VARIANTS = ["lanes", "runs"]  # the two kernel designs (KernelConfig); "auto" picks one of them per shape
+TINY = [(1, 1, 1), (2, 7, 5), (3, 37, 20), (2, 64, 16)]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", TINY, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(gen, shape, dtype, variant) -> None:
-    _check(gen, shape, dtype, h0=True, reset="random", variant=variant)
+def test_matches_reference(gen, shape, dtype) -> None:
+    _check(gen, shape, dtype, h0=True, reset="random")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("h0", [False, True], ids=["no_h0", "h0"])
 @pytest.mark.parametrize("reset", ["none", "start"])
-def test_h0_and_resets(gen, h0, reset, variant) -> None:
-    _check(gen, (3, 29, 18), torch.float32, h0=h0, reset=reset, variant=variant)
-
-
-def test_bad_variant_and_chunks_of_the_runs_kernels_are_refused(gen) -> None:
-    tensors, _, _ = _inputs(gen, (1, 8, 4), torch.float32, h0=False, reset="none")
-    with pytest.raises(ValueError, match="variant='fast'"):
-        rg_lru_triton(*tensors, variant="fast")
-    with pytest.raises(ValueError, match="chunk_t=16 applies to the lanes kernels"):
-        rg_lru_triton(*tensors, chunk_t=16, variant="runs")
-    with pytest.raises(ValueError, match="does not tile a warp"):
-        KernelConfig(block_t=24, block_d=16, chunk_t=24, num_warps=1, run=8)
+def test_h0_and_resets(gen, h0, reset) -> None:
+    _check(gen, (3, 29, 18), torch.float32, h0=h0, reset=reset)
 
 
 def _time_tile() -> int:
@@ -152,10 +140,9 @@ FULL = [((8, 2048, 1024), torch.bfloat16), ((1, 4096, 2560), torch.bfloat16), ((
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape,dtype", FULL, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_full_size(gen, shape, dtype, variant) -> None:
-    _check(gen, shape, dtype, h0=True, reset="random", variant=variant)
+def test_full_size(gen, shape, dtype) -> None:
+    _check(gen, shape, dtype, h0=True, reset="random")
 
 
 @requires_cuda
@@ -165,13 +152,12 @@ def test_full_size_chunked(gen, chunk_t) -> None:
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_torch_compile_and_cuda_graph(gen, variant) -> None:
+def test_torch_compile_and_cuda_graph(gen) -> None:
     tensors, init, starts = _inputs(gen, (2, 300, 96), torch.bfloat16, h0=True, reset="random")
     leaves = [t.clone().requires_grad_() for t in tensors]
 
     def loss(x, gate_x, gate_a, a_param):
-        y, h_last = rg_lru_triton(x, gate_x, gate_a, a_param, 8.0, init, starts, variant=variant)
+        y, h_last = rg_lru_triton(x, gate_x, gate_a, a_param, 8.0, init, starts)
         return y.float().square().sum() + h_last.sum()
 
     eager = torch.autograd.grad(loss(*leaves), leaves)
@@ -183,22 +169,22 @@ def test_torch_compile_and_cuda_graph(gen, variant) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compiles the kernels) on a side stream before capture
-        rg_lru_triton(*static, 8.0, init, starts, variant=variant)
+        rg_lru_triton(*static, 8.0, init, starts)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_graph, _ = rg_lru_triton(*static, 8.0, init, starts, variant=variant)
+        y_graph, _ = rg_lru_triton(*static, 8.0, init, starts)
     fresh, _, _ = _inputs(gen, (2, 300, 96), torch.bfloat16, h0=False, reset="none")
     for dst, src in zip(static, fresh, strict=True):
         dst.copy_(src)
     graph.replay()
-    torch.testing.assert_close(y_graph, rg_lru_triton(*static, 8.0, init, starts, variant=variant)[0], rtol=0, atol=0)
+    torch.testing.assert_close(y_graph, rg_lru_triton(*static, 8.0, init, starts)[0], rtol=0, atol=0)
 
 
 def test_host_tensors_are_refused_before_a_compiled_launch(gen, monkeypatch) -> None:
     """Outside the interpreter the kernels read device memory only: a CPU tensor is named at once, not in the
     launcher (which says "Pointer argument (at 0) cannot be accessed from Triton")."""
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(rg_lru_triton_module, "INTERPRETED", False)
     tensors, init, starts = _inputs(gen, (1, 5, 16), torch.float32, h0=True, reset="random")
     tensors = [t.cpu() for t in tensors]
     with pytest.raises(ValueError, match="rg_lru_triton: x is on cpu, but the Triton kernel runs on CUDA"):

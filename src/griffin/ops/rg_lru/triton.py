@@ -48,40 +48,24 @@ _LN2 = tl.constexpr(math.log(2.0))
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One launch: time tile, channels per program, time per chunk, warps, software-pipelining depth.
-
-    run > 0 selects the runs kernels: each thread scans ``run`` consecutive steps of its channels in registers,
-    ``block_t // run`` lanes hold consecutive runs and combine them with one cross-lane scan per tile, and the
-    other lanes and the warps hold channels. run == 0 is the lanes kernels (one step per thread and row, the scan
-    across lanes and warps for every element).
-    """
+    """One launch: time tile, channels per program, time per chunk, warps, software-pipelining depth."""
 
     block_t: int
     block_d: int
     chunk_t: int
     num_warps: int
     num_stages: int = 2
-    run: int = 0
-
-    def __post_init__(self) -> None:
-        if self.run:
-            lanes_t, rest = divmod(self.block_t, self.run)
-            lanes_d = 32 // max(lanes_t, 1)
-            if rest or lanes_t * lanes_d != 32 or self.block_d % (self.num_warps * lanes_d):
-                raise ValueError(f"rg_lru_triton: {self} does not tile a warp: block_t / run lanes along time "
-                                 f"times 32 / that along channels, block_d a multiple of num_warps x the latter")
 
     def meta(self) -> dict[str, int]:
         """The launch arguments of the scan kernels for this configuration."""
-        if self.run:
-            lanes_t = self.block_t // self.run
-            lanes_d = 32 // lanes_t
-            return dict(NUM_STAGES=self.num_stages, S=self.run, W=self.num_warps, L=lanes_t, Q=lanes_d,
-                        V=self.block_d // (self.num_warps * lanes_d), num_warps=self.num_warps)
         return dict(NUM_STAGES=self.num_stages, BLOCK_T=self.block_t, BLOCK_D=self.block_d, num_warps=self.num_warps)
 
 
-if triton.knobs.runtime.interpret:  # the interpreter runs no PTX
+# Read once: the kernels below are defined for one mode, and torch.compile cannot trace Triton's environment lookup
+# (a call into its C extension) inside rg_lru_triton.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+if INTERPRETED:  # the interpreter runs no PTX
 
     @triton.jit
     def _exp2(x):
@@ -152,14 +136,11 @@ def _load_step(
 
 @triton.jit
 def _decay(ga, log2_scale, rst, row_ok):
-    """sigmoid(gate_a), a_t = 2^(log2_scale r_t) with a_t := 0 at resets and 1 past the end (Appendix A).
-
-    log2_scale, rst and row_ok broadcast against ga.
-    """
+    """sigmoid(gate_a), a_t = 2^(log2_scale r_t) with a_t := 0 at resets and 1 past the end (Appendix A)."""
     sig_a = _sigmoid(ga)
-    a = _exp2(log2_scale * sig_a)
+    a = _exp2(log2_scale[None, :] * sig_a)
     a_eff = tl.where(rst, 0.0, a)
-    a_eff = tl.where(row_ok, a_eff, 1.0)
+    a_eff = tl.where(row_ok[:, None], a_eff, 1.0)
     return sig_a, a, a_eff
 
 
@@ -206,7 +187,7 @@ def _rg_lru_fwd_kernel(
         )
         row_ok = (t0 + rows) < t_end
         rst = r[:, None] != 0
-        sig_a, a, a_eff = _decay(ga.to(tl.float32), log2_scale[None, :], rst, row_ok[:, None])
+        sig_a, a, a_eff = _decay(ga.to(tl.float32), log2_scale, rst, row_ok)
         mult = tl.where(rst, 1.0, tl.sqrt(1.0 - a * a))
         bb = x.to(tl.float32) * _sigmoid(gx.to(tl.float32)) * mult
         acc_a, acc_b = tl.associative_scan((a_eff, bb), 0, _scan_combine)
@@ -276,7 +257,7 @@ def _rg_lru_bwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         rst = r[:, None] != 0
         g = g.to(tl.float32)
-        sig_a, a, a_eff = _decay(ga.to(tl.float32), log2_scale[None, :], rst, row_ok[:, None])
+        sig_a, a, a_eff = _decay(ga.to(tl.float32), log2_scale, rst, row_ok)
         if SUMMARY:
             acc_p, acc_q = tl.associative_scan((a_eff, a_eff * g), 0, _scan_combine, reverse=True)
             p_tot = p_tot * tl.sum(tl.where(first, acc_p, 0.0), axis=0)
@@ -312,176 +293,6 @@ def _rg_lru_bwd_kernel(
         if WRITE_DH0:
             if chunk == 0:
                 tl.store(s_out_ptr + b.to(tl.int64) * D + cols, s, mask=col_ok)
-
-
-@triton.jit
-def _prefix_combine(a1, b1, xa1, xb1, a2, b2, xa2, xb2):
-    """Inclusive and exclusive prefixes in one scan: (a, b) composes as :func:`_scan_combine`; a segment's
-    exclusive map (xa, xb) is its left part's inclusive map followed by its right part's exclusive map."""
-    return a1 * a2, a2 * b1 + b2, a1 * xa2, xa2 * b1 + xb2
-
-
-@triton.jit
-def _runs_tile(pid, D, S: tl.constexpr, W: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, V: tl.constexpr,
-               REVERSED: tl.constexpr):  # fmt: skip
-    """Index tensors of a runs tile [S, W, L, Q, V]: step s of the run held by time lane l, of channel (w, q, v).
-
-    The shape sets the register layout (Triton orders dimensions by contiguity, then last to first): V contiguous
-    channels per thread, Q then L lanes, W warps, and the S steps in each thread's registers. Lane l holds steps
-    [l S, l S + S) of the tile, or [(L - 1 - l) S, ...) when REVERSED (the backward scans runs latest first).
-    """
-    s_i = tl.arange(0, S)[:, None, None, None, None]
-    l_i = tl.arange(0, L)[None, None, :, None, None]
-    q_i = tl.arange(0, Q)[None, None, None, :, None]
-    w_i = tl.arange(0, W)[None, :, None, None, None]
-    v_i = tl.arange(0, V)[None, None, None, None, :]
-    n_dblk = tl.cdiv(D, W * Q * V)
-    cols = (pid % n_dblk) * (W * Q * V) + w_i * (Q * V) + q_i * V + v_i  # [1, W, 1, Q, V]
-    if REVERSED:
-        run_start = (L - 1 - l_i) * S  # [1, 1, L, 1, 1]
-    else:
-        run_start = l_i * S
-    return pid // n_dblk, s_i, l_i, cols, run_start
-
-
-@triton.jit
-def _load_resets(reset_ptr, steps, row_ok, HAS_RESET: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                 L: tl.constexpr, Q: tl.constexpr, V: tl.constexpr):  # fmt: skip
-    """The document-start flags of a runs tile, from (B, T, V) flags (each repeated over a thread's V channels).
-
-    Loaded from (B, T) flags, the tile would be contiguous along the steps, so Triton would lay it out (and, to
-    match, the whole computation) with steps across lanes; repeated V times its layout is that of the data.
-    """
-    if HAS_RESET:
-        v_i = tl.arange(0, V)[None, None, None, None, :]
-        ptrs = tl.broadcast_to(reset_ptr + steps * V + v_i, [S, W, L, Q, V])
-        return tl.load(ptrs, mask=row_ok, other=0) != 0
-    return tl.zeros([S, W, L, Q, V], tl.int1)
-
-
-@triton.jit
-def _rg_lru_fwd_runs_kernel(
-    x_ptr, gx_ptr, ga_ptr, log2_scale_ptr, reset_ptr, h_init_ptr, y_ptr, ckpt_ptr, h_out_ptr,
-    T, D, n_ckpt,
-    HAS_RESET: tl.constexpr, HAS_INIT: tl.constexpr, CKPT_T: tl.constexpr,
-    NUM_STAGES: tl.constexpr, S: tl.constexpr, W: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, V: tl.constexpr,
-):  # fmt: skip
-    """The forward scan of W Q V channels of one sequence over all T steps, a tile of L runs of S steps at a time.
-
-    Per tile: each thread scans its run from zero in registers; one scan across the L lanes of the runs' (prod a, h)
-    gives every run its entering state (exclusive) and the tile's end state (inclusive); a multiply-add per step
-    finishes. reset is (B, T, V) (:func:`_load_resets`). Writes y, the state before every CKPT_T-th step to ckpt
-    (B, n_ckpt, D) unless CKPT_T == 0 (a multiple of S), and h_last to h_out (B, D).
-    """
-    b, s_i, l_i, cols, run_start = _runs_tile(tl.program_id(0), D, S, W, L, Q, V, False)
-    rows = run_start + s_i  # [S, 1, L, 1, 1]
-    col_ok = cols < D
-    tile = rows * D + cols
-    log2_scale = tl.load(log2_scale_ptr + cols, mask=col_ok, other=0.0)
-    if HAS_INIT:
-        h = tl.load(h_init_ptr + b.to(tl.int64) * D + cols, mask=col_ok, other=0.0)
-    else:
-        h = tl.zeros([1, W, 1, Q, V], dtype=tl.float32)
-    seq = b.to(tl.int64) * T
-    ones = tl.full([1, W, L, Q, V], 1.0, tl.float32)
-    zeros = tl.zeros([1, W, L, Q, V], tl.float32)
-    for t0 in tl.range(0, T, L * S, num_stages=NUM_STAGES):
-        row_ok = (t0 + rows) < T
-        mask = row_ok & col_ok
-        base = (seq + t0) * D
-        ga = tl.load(ga_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        gx = tl.load(gx_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        rst = _load_resets(reset_ptr, seq + t0 + rows, row_ok, HAS_RESET, S, W, L, Q, V)
-        _, a, a_eff = _decay(ga, log2_scale, rst, row_ok)
-        mult = tl.where(rst, 1.0, tl.sqrt(1.0 - a * a))
-        bb = x * _sigmoid(gx) * mult
-        acc_a, acc_b = tl.associative_scan((a_eff, bb), 0, _scan_combine)  # in registers: no lane crossing
-        end = s_i == S - 1
-        run_a = tl.sum(tl.where(end, acc_a, 0.0), axis=0, keep_dims=True)  # each run's map, [1, W, L, Q, V]
-        run_b = tl.sum(tl.where(end, acc_b, 0.0), axis=0, keep_dims=True)
-        in_a, in_b, ex_a, ex_b = tl.associative_scan((run_a, run_b, ones, zeros), 2, _prefix_combine)
-        h_start = ex_a * h + ex_b  # the state entering each run
-        if CKPT_T > 0:
-            t_run = t0 + run_start
-            is_ckpt = (t_run % CKPT_T == 0) & (t_run < T)
-            tl.store(ckpt_ptr + (b * n_ckpt + t_run // CKPT_T).to(tl.int64) * D + cols, h_start, mask=is_ckpt & col_ok)
-        tl.store(y_ptr + base + tile, (acc_a * h_start + acc_b).to(y_ptr.dtype.element_ty), mask=mask)
-        h = tl.sum(tl.where(l_i == L - 1, in_a * h + in_b, 0.0), axis=2, keep_dims=True)
-    tl.store(h_out_ptr + b.to(tl.int64) * D + cols, h, mask=col_ok)
-
-
-@triton.jit
-def _rg_lru_bwd_runs_kernel(
-    x_ptr, gx_ptr, ga_ptr, log2_scale_ptr, reset_ptr, dy_ptr, ckpt_ptr, s_init_ptr,
-    dx_ptr, dgx_ptr, dga_ptr, dlog2_scale_ptr, dh0_ptr,
-    T, D, n_ckpt,
-    HAS_RESET: tl.constexpr, WRITE_DH0: tl.constexpr,
-    NUM_STAGES: tl.constexpr, S: tl.constexpr, W: tl.constexpr, L: tl.constexpr, Q: tl.constexpr, V: tl.constexpr,
-):  # fmt: skip
-    """The reverse scan of W Q V channels of one sequence, tiles latest first; s = a_t dh_t is the carry to step t - 1.
-
-    Lane l holds the l-th latest run of the tile, so the scan across lanes composes runs in reverse time without a
-    reversed cross-lane scan. Each run restarts the forward state from its checkpoint (ckpt every S steps). Writes
-    dx, dgate_x, dgate_a, this program's dL/dlog2_scale to dlog2_scale (B, 1, D), and dL/dh0 = s to dh0 (B, D)
-    when WRITE_DH0.
-    """
-    b, s_i, l_i, cols, run_start = _runs_tile(tl.program_id(0), D, S, W, L, Q, V, True)
-    rows = run_start + s_i
-    col_ok = cols < D
-    tile = rows * D + cols
-    log2_scale = tl.load(log2_scale_ptr + cols, mask=col_ok, other=0.0)
-    s = tl.load(s_init_ptr + b.to(tl.int64) * D + cols, mask=col_ok, other=0.0)  # [1, W, 1, Q, V]
-    dscale = tl.zeros([1, W, L, Q, V], dtype=tl.float32)  # sum of dL/dlog(a_t) r_t
-    ones = tl.full([1, W, L, Q, V], 1.0, tl.float32)
-    zeros = tl.zeros([1, W, L, Q, V], tl.float32)
-    ones_run = tl.full([S, W, L, Q, V], 1.0, tl.float32)
-    first = s_i == 0
-    n_tiles = tl.cdiv(T, L * S)
-    seq = b.to(tl.int64) * T
-    for i in tl.range(n_tiles, num_stages=NUM_STAGES):
-        t0 = (n_tiles - 1 - i) * (L * S)
-        row_ok = (t0 + rows) < T
-        mask = row_ok & col_ok
-        base = (seq + t0) * D
-        ga = tl.load(ga_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(dy_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        gx = tl.load(gx_ptr + base + tile, mask=mask, other=0.0).to(tl.float32)
-        rst = _load_resets(reset_ptr, seq + t0 + rows, row_ok, HAS_RESET, S, W, L, Q, V)
-        t_run = t0 + run_start
-        h_in = tl.load(ckpt_ptr + (b * n_ckpt + t_run // S).to(tl.int64) * D + cols, mask=(t_run < T) & col_ok,
-                       other=0.0)  # fmt: skip
-        sig_a, a, a_eff = _decay(ga, log2_scale, rst, row_ok)
-        u = 1.0 - a * a
-        mult = tl.where(rst, 1.0, tl.sqrt(u))
-        sig_x = _sigmoid(gx)
-        xi = x * sig_x
-        bb = xi * mult
-        acc_a, acc_b = tl.associative_scan((a_eff, bb), 0, _scan_combine)
-        a_h_prev = acc_a * h_in + acc_b - bb  # a_t h_{t-1}, no division
-        # the adjoint scan runs from each run's last step: a forward scan of the flipped registers (Triton's reversed
-        # scan shuffles across lanes even along an axis that stays in one thread)
-        _, acc_u, acc_v = tl.associative_scan((tl.flip(a_eff, 0), ones_run, tl.flip(g, 0)), 0, _adjoint_combine)
-        acc_u = tl.flip(acc_u, 0)
-        acc_v = tl.flip(acc_v, 0)
-        # a run maps the carry entering it from the right, c, to a_first dh_first = a_first (u_first c + v_first)
-        run_u = tl.sum(tl.where(first, a_eff * acc_u, 0.0), axis=0, keep_dims=True)
-        run_v = tl.sum(tl.where(first, a_eff * acc_v, 0.0), axis=0, keep_dims=True)
-        in_u, in_v, ex_u, ex_v = tl.associative_scan((run_u, run_v, ones, zeros), 2, _prefix_combine)
-        dh = acc_u * (ex_u * s + ex_v) + acc_v
-        s = tl.sum(tl.where(l_i == L - 1, in_u * s + in_v, 0.0), axis=2, keep_dims=True)
-        dlog_a = dh * (a_h_prev - 2.0 * a * a * xi * tl.rsqrt(tl.maximum(4.0 * u, _MIN_4U)))
-        dlog_a = tl.where(rst | ~mask, 0.0, dlog_a)
-        dxi = dh * mult
-        tl.store(dx_ptr + base + tile, (dxi * sig_x).to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dgx_ptr + base + tile, (dxi * xi * (1.0 - sig_x)).to(dgx_ptr.dtype.element_ty), mask=mask)
-        dga = dlog_a * (log2_scale * _LN2) * sig_a * (1.0 - sig_a)
-        tl.store(dga_ptr + base + tile, dga.to(dga_ptr.dtype.element_ty), mask=mask)
-        dscale += tl.sum(dlog_a * sig_a, axis=0, keep_dims=True)
-    tl.store(dlog2_scale_ptr + b.to(tl.int64) * D + cols, tl.sum(dscale, axis=2, keep_dims=True) * _LN2, mask=col_ok)
-    if WRITE_DH0:
-        tl.store(dh0_ptr + b.to(tl.int64) * D + cols, s, mask=col_ok)
 
 
 @triton.jit
@@ -521,39 +332,26 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# CUDA configurations (block_t, block_d, num_warps, num_stages[, run]), measured with the sweep of
-# benchmarks/scan_gpu.py (docs/performance.md, "GPU RG-LRU kernel"). The runs kernels need no time chunks and run
-# when batch x channels gives them at least RUNS_MIN_WARPS x SMs warps. Otherwise the lanes kernels: a direction
-# runs its "wide" configuration in one time chunk when batch x channels gives it at least MIN_WARPS x SMs warps,
-# else the chunked variant runs the "narrow" configuration in enough time chunks for about TARGET_WARPS x SMs warps.
-_RUNS = {False: (64, 32, 2, 3, 8), True: (32, 16, 1, 3, 8)}
-_RUNS_MIN_WARPS = 3
+# CUDA configurations (block_t, block_d, num_warps, num_stages), measured with the sweep of
+# benchmarks/scan_gpu.py on an H100 (docs/performance.md, "GPU RG-LRU kernel"). A direction runs its "wide"
+# configuration in one time chunk when batch x channels gives it at least MIN_WARPS x SMs warps; otherwise the
+# chunked variant runs the "narrow" configuration in enough time chunks for about TARGET_WARPS x SMs warps.
 _WIDE = {False: (64, 16, 4, 3), True: (16, 16, 1, 3)}
 _NARROW = {False: (16, 32, 1, 3), True: (16, 16, 1, 3)}
 _MIN_WARPS = {False: 8, True: 3}
 _TARGET_WARPS = 10
-VARIANTS = ("auto", "runs", "lanes")
 
 
-def select_config(x: Tensor, backward: bool, chunk_t: int = 0, variant: str = "auto") -> KernelConfig:
-    """Kernel configuration for x (B, T, D) and one direction.
+def select_config(x: Tensor, backward: bool, chunk_t: int = 0) -> KernelConfig:
+    """Kernel configuration for x (B, T, D) and one direction; chunk_t > 0 forces the chunked variant.
 
-    variant: "runs" or "lanes" forces those kernels (KernelConfig says what they are), "auto" picks per shape;
-    chunk_t > 0 forces the chunked lanes kernels. The forward pass stores checkpoints where the backward's
-    configuration needs them (:func:`checkpoint_interval`), so the two directions may use different tiles.
+    The forward pass stores checkpoints at the backward's block_t, so the two may use different tiles.
     """
-    _check_variant(chunk_t, variant)
     batch, steps, dim = x.shape
     if not x.is_cuda:  # the Triton interpreter: small tiles so that tests cover several tiles and chunks
-        if variant == "runs":
-            return KernelConfig(16, 16, _chunk(steps, 16, 0, 1), 1, 1, run=4)
         block_t, block_d, num_warps, num_stages = 8, 16, 1, 1
         return KernelConfig(block_t, block_d, _chunk(steps, block_t, chunk_t, 1), num_warps, num_stages)
     sms = _multiprocessors(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    if variant != "lanes" and chunk_t <= 0:
-        block_t, block_d, num_warps, num_stages, run = _RUNS[backward]
-        if variant == "runs" or batch * _cdiv(dim, block_d) * num_warps >= _RUNS_MIN_WARPS * sms:
-            return KernelConfig(block_t, block_d, _chunk(steps, block_t, 0, 1), num_warps, num_stages, run)
     block_t, block_d, num_warps, num_stages = _WIDE[backward]
     if chunk_t <= 0 and batch * _cdiv(dim, block_d) * num_warps >= _MIN_WARPS[backward] * sms:
         return KernelConfig(block_t, block_d, _chunk(steps, block_t, chunk_t, 1), num_warps, num_stages)
@@ -561,26 +359,6 @@ def select_config(x: Tensor, backward: bool, chunk_t: int = 0, variant: str = "a
     warps = batch * _cdiv(dim, block_d) * num_warps
     n_chunks = min(_cdiv(_TARGET_WARPS * sms, warps), max(1, steps // (8 * block_t)))
     return KernelConfig(block_t, block_d, _chunk(steps, block_t, chunk_t, n_chunks), num_warps, num_stages)
-
-
-def _runs_resets(reset: Tensor | None, cfg: KernelConfig, x: Tensor) -> Tensor:
-    """reset (B, T) repeated over the runs kernels' channels per thread, V: (B, T, V) (see _load_resets)."""
-    if reset is None:
-        return x
-    return reset[..., None].expand(-1, -1, cfg.meta()["V"]).contiguous()
-
-
-def _check_variant(chunk_t: int, variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"rg_lru_triton: variant={variant!r}, expected one of {VARIANTS}")
-    if chunk_t > 0 and variant == "runs":
-        raise ValueError(f"rg_lru_triton: chunk_t={chunk_t} applies to the lanes kernels; the runs kernels scan "
-                         f"each sequence in one pass (variant='lanes' or 'auto')")
-
-
-def checkpoint_interval(cfg: KernelConfig) -> int:
-    """Steps between the forward states a backward configuration restarts from: each run, or each lanes tile."""
-    return cfg.run or cfg.block_t
 
 
 def _chunk(steps: int, block_t: int, chunk_t: int, n_chunks: int) -> int:
@@ -602,12 +380,11 @@ def _rg_lru_fwd(
     reset: Tensor | None,
     save_ckpt: bool,
     chunk_t: int,
-    variant: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Forward launch(es): returns y (like x), h_last (B, D) fp32 and the checkpoints (B, n_ckpt, D) fp32."""
     batch, steps, dim = x.shape
-    cfg = select_config(x, backward=False, chunk_t=chunk_t, variant=variant)
-    ckpt_t = checkpoint_interval(select_config(x, backward=True, chunk_t=chunk_t, variant=variant)) if save_ckpt else 0
+    cfg = select_config(x, backward=False, chunk_t=chunk_t)
+    ckpt_t = select_config(x, backward=True).block_t if save_ckpt else 0  # the backward's time tile
     n_ckpt = max(1, _cdiv(steps, ckpt_t)) if save_ckpt else 0  # checkpoint 0 (h0) exists even when T == 0
     n_chunks = max(1, _cdiv(steps, cfg.chunk_t))
     y = torch.empty_like(x)
@@ -615,16 +392,6 @@ def _rg_lru_fwd(
     ckpt = torch.empty(batch, n_ckpt, dim, device=x.device, dtype=torch.float32)
     reset_arg = x if reset is None else reset
     grid = (batch * _cdiv(dim, cfg.block_d), n_chunks)
-    if cfg.run:
-        if ckpt_t % cfg.run:
-            raise ValueError(f"rg_lru_triton: the backward restarts every {ckpt_t} steps, which the forward's runs "
-                             f"of {cfg.run} steps do not divide")
-        wrap_triton(_rg_lru_fwd_runs_kernel)[(grid[0],)](
-            x, gate_x, gate_a, scale, _runs_resets(reset, cfg, x), x if h0 is None else h0, y, ckpt, h_last,
-            steps, dim, n_ckpt,
-            HAS_RESET=reset is not None, HAS_INIT=h0 is not None, CKPT_T=ckpt_t, **cfg.meta(),
-        )  # fmt: skip
-        return y, h_last, ckpt
     h_init = h0
     if n_chunks > 1:
         h_end = torch.empty(batch, n_chunks, dim, device=x.device, dtype=torch.float32)
@@ -659,11 +426,10 @@ def _rg_lru_bwd(
     dh_last: Tensor,
     need_dh0: bool,
     chunk_t: int,
-    variant: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launch(es): returns dx, dgate_x, dgate_a (like the inputs), dscale (D,) and dh0 (B, D) fp32."""
     batch, steps, dim = x.shape
-    cfg = select_config(x, backward=True, chunk_t=chunk_t, variant=variant)
+    cfg = select_config(x, backward=True, chunk_t=chunk_t)
     n_tiles = _cdiv(steps, cfg.block_t)
     n_chunks = max(1, _cdiv(steps, cfg.chunk_t))
     dx, dgx, dga = torch.empty_like(x), torch.empty_like(gate_x), torch.empty_like(gate_a)
@@ -671,12 +437,6 @@ def _rg_lru_bwd(
     dh0 = torch.empty(batch, dim if need_dh0 else 0, device=x.device, dtype=torch.float32)
     reset_arg = x if reset is None else reset
     grid = (batch * _cdiv(dim, cfg.block_d), n_chunks)
-    if cfg.run:
-        wrap_triton(_rg_lru_bwd_runs_kernel)[(grid[0],)](
-            x, gate_x, gate_a, scale, _runs_resets(reset, cfg, x), dy, ckpt, dh_last, dx, dgx, dga, dscale, dh0,
-            steps, dim, ckpt.shape[1], HAS_RESET=reset is not None, WRITE_DH0=need_dh0, **cfg.meta(),
-        )  # fmt: skip
-        return dx, dgx, dga, dscale.sum(dim=(0, 1)), dh0
     s_init = dh_last
     if n_chunks > 1:
         s_start = torch.empty(batch, n_chunks, dim, device=x.device, dtype=torch.float32)
@@ -700,10 +460,10 @@ def _rg_lru_bwd(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, gate_x, gate_a, scale, _, reset, _, chunk_t, variant = inputs
+    x, gate_x, gate_a, scale, _, reset, _, chunk_t = inputs
     ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(x, gate_x, gate_a, scale, reset, output[2])
-    ctx.chunk_t, ctx.variant = chunk_t, variant
+    ctx.chunk_t = chunk_t
 
 
 def _backward(ctx, dy: Tensor, dh_last: Tensor, _dckpt: Tensor):
@@ -713,9 +473,9 @@ def _backward(ctx, dy: Tensor, dh_last: Tensor, _dckpt: Tensor):
         raise RuntimeError("rg_lru_triton: backward through a forward run without checkpoints (save_ckpt=False)")
     dx, dgx, dga, dscale, dh0 = torch.ops.griffin.rg_lru_bwd(
         x, gate_x, gate_a, scale, reset, ckpt, dy.contiguous(), dh_last.float().contiguous(), need_dh0,
-        ctx.chunk_t, ctx.variant,
+        ctx.chunk_t,
     )  # fmt: skip
-    return dx, dgx, dga, dscale, dh0 if need_dh0 else None, None, None, None, None
+    return dx, dgx, dga, dscale, dh0 if need_dh0 else None, None, None, None
 
 
 _rg_lru_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -731,17 +491,14 @@ def rg_lru_triton(
     reset: Tensor | None = None,
     *,
     chunk_t: int = 0,
-    variant: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """The fused RG-LRU (Section 2.4): returns y (like x) and the float32 final state (B, D).
 
-    variant "runs" or "lanes" forces those kernels (:class:`KernelConfig`); chunk_t > 0 forces the chunked lanes
-    kernels with this time chunk (a multiple of their time tile; chunk_t >= T gives one chunk); the defaults let
-    :func:`select_config` choose per shape and direction.
+    chunk_t > 0 forces the chunked variant with this time chunk (a multiple of its time tile; chunk_t >= T gives
+    one chunk); 0 lets :func:`select_config` choose per shape and direction.
     """
     check_rg_lru_inputs(x, gate_x, gate_a, a_param)
-    _check_variant(chunk_t, variant)
-    if not triton.knobs.runtime.interpret:  # compiled kernels read device memory only: refuse host tensors here
+    if not INTERPRETED:  # compiled kernels read device memory only: refuse host tensors here
         for name, t in (("x", x), ("gate_x", gate_x), ("gate_a", gate_a), ("a_param", a_param), ("h0", h0),
                         ("reset", reset)):
             if t is not None and not t.is_cuda:
@@ -756,6 +513,6 @@ def rg_lru_triton(
     inputs = (x, gate_x, gate_a, scale, h0)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     y, h_last, _ = torch.ops.griffin.rg_lru_fwd(
-        x.contiguous(), gate_x.contiguous(), gate_a.contiguous(), scale, h0, reset, save_ckpt, chunk_t, variant
+        x.contiguous(), gate_x.contiguous(), gate_a.contiguous(), scale, h0, reset, save_ckpt, chunk_t
     )
     return y, h_last
