@@ -11,6 +11,8 @@
 #   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~3 min)
 #   tests-scan    the RG-LRU kernel's tests alone (full size, torch.compile, CUDA graph; ~1 min)
 #   train         the training step at 400M (Appendix C), bf16 autocast, tokens/s and MFU, T = 2K and 8K (~2 min)
+#   train-compiled  the same at T = 2K with the model compiled (torch.compile; ~3 min, most of it compiling)
+#   train-1b      the compiled training step at 1.3B (Appendix C), T = 2K (~3 min)
 #   decode        MQA, Hawk, Griffin at 1B: decode latency at batch 64 (empty and 1K prompt), throughput to batch
 #                 128, decode bandwidth against copy, and HF generate on the same Griffin weights (~2.5 min; the
 #                 eager step is ~30 ms at batch 64: on 2026-11-28 throughput to batch 256 ran past the limit)
@@ -79,6 +81,12 @@ for step in "$@"; do
         train)
             run train 150 "$PY" benchmarks/train_speed.py --scale paper-400m --device cuda --seq-lens 2048 8192 \
                 --warmup 2 --steps 5 --out "$RESULTS/train_speed_400m.json" --plot "" ;;
+        train-compiled)
+            run train-compiled 240 "$PY" benchmarks/train_speed.py --scale paper-400m --device cuda --compile \
+                --seq-lens 2048 --warmup 2 --steps 5 --out "$RESULTS/train_speed_400m_compiled.json" --plot "" ;;
+        train-1b)
+            run train-1b 240 "$PY" benchmarks/train_speed.py --scale paper-1b --device cuda --compile \
+                --seq-lens 2048 --warmup 2 --steps 5 --out "$RESULTS/train_speed_1b_compiled.json" --plot "" ;;
         decode)
             run decode 180 "$PY" benchmarks/inference.py --scale paper-1b --device cuda --dtype bfloat16 \
                 --batch 64 --prompt 1024 --lengths 256 --throughput-lengths 256 --min-batch 64 --max-batch 128 \
@@ -103,8 +111,8 @@ for step in "$@"; do
             run local 150 "$PY" benchmarks/local_attention.py --device cuda --dtype bfloat16 --flex \
                 --out "$RESULTS/local_attention_cuda.json" ;;
         *)
-            echo "unknown step: $step (scan, scan-peers, tests, tests-scan, train, decode, decode-graph, serve, sweep," \
-                "fig9b, local)" >&2
+            echo "unknown step: $step (scan, scan-peers, tests, tests-scan, train, train-compiled, train-1b, decode," \
+                "decode-graph, serve, sweep, fig9b, local)" >&2
             exit 2 ;;
     esac
 done

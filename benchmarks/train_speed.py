@@ -3,13 +3,16 @@
 MQA, Hawk and Griffin of the same width, depth and hyper-parameters (Appendix C: one key/value head, head dimension
 128, MLP expansion 3, 16 RG-LRU gate blocks, Griffin's local-attention window 1024) are trained for a few steps at
 each sequence length T with batch = tokens / T, so that every step sees the same tokens. A step is forward,
-cross-entropy, backward and an AdamW update; fp32 on CPU, bf16 autocast (fp32 weights) on CUDA. Reported: the step
+cross-entropy, backward and an AdamW update; fp32 on CPU, bf16 autocast (fp32 weights) on CUDA; ``--compile`` runs
+the model's forward and backward through torch.compile (static shapes: the first warm-up step of each T compiles,
+so give ``--warmup`` at least 1). Reported: the step
 time (``--stat``: the median of the timed steps, or the fastest on a shared host), tokens/s, the step time relative
 to MQA at the shortest T (the paper's y axis, "relative to MQA at 2K"), and, from :mod:`griffin.flops`, training
 FLOPs per token, the achieved TFLOP/s and the model FLOPs utilization.
 
     python benchmarks/train_speed.py              # CPU: D=256, N=6, 16K tokens, T=2K..8K; about 6 min on 2 cores
     python benchmarks/train_speed.py --scale paper-400m --device cuda       # Figure 3a: 400M, T=2K..32K
+    python benchmarks/train_speed.py --scale paper-1b --device cuda --compile --seq-lens 2048
     python benchmarks/train_speed.py --from-json benchmarks/results/train_speed.json    # tables and plot again
 
 Writes JSON (``--out``) and a bar chart (``--plot``) like the paper's figure.
@@ -25,7 +28,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +74,10 @@ def make_batch(vocab: int, batch: int, seq_len: int, device: torch.device, seed:
     return ids[:, :-1], ids[:, 1:]
 
 
-def train_step(model: CausalLM, opt: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               autocast: contextlib.AbstractContextManager) -> float:
-    """Forward, next-token cross-entropy, backward and one AdamW step; returns the loss."""
+def train_step(model: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor, autocast: contextlib.AbstractContextManager) -> float:
+    """Forward (the model or its compiled form), next-token cross-entropy, backward and one AdamW step; returns the
+    loss."""
     opt.zero_grad(set_to_none=True)
     with autocast:
         logits = model(inputs)
@@ -83,8 +87,8 @@ def train_step(model: CausalLM, opt: torch.optim.Optimizer, inputs: torch.Tensor
     return loss.item()  # also waits for the device
 
 
-def time_point(args: argparse.Namespace, model: CausalLM, opt: torch.optim.Optimizer, seq_len: int,
-               device: torch.device, bar) -> list[float]:
+def time_point(args: argparse.Namespace, model: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer,
+               seq_len: int, device: torch.device, bar) -> list[float]:
     """``--warmup`` untimed steps, then the seconds of each of ``--steps`` timed ones."""
     inputs, targets = make_batch(args.vocab, args.tokens // seq_len, seq_len, device, args.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -104,13 +108,13 @@ def time_point(args: argparse.Namespace, model: CausalLM, opt: torch.optim.Optim
 def run(args: argparse.Namespace, device: torch.device, peak: float) -> tuple[list[dict], list[dict]]:
     """Every (T, family) point, ``--rounds`` times; within a round T is the outer loop, so that a change in host
     load hits every family alike. A point's step time is the ``--stat`` of all its timed steps."""
-    models: dict[str, tuple[CausalLM, torch.optim.Optimizer]] = {}
+    models: dict[str, tuple[CausalLM, torch.optim.Optimizer, Callable[[torch.Tensor], torch.Tensor]]] = {}
     model_rows = []
     for family in args.families:
         torch.manual_seed(args.seed)
         model = CausalLM(family_config(args, family)).to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        models[family] = (model, opt)
+        models[family] = (model, opt, torch.compile(model, dynamic=False) if args.compile else model)
         n = model.num_parameters()
         model_rows.append(dict(family=family, params=n, size=nominal_size(n)))
     times: dict[tuple[str, int], list[float]] = {}
@@ -120,13 +124,13 @@ def run(args: argparse.Namespace, device: torch.device, peak: float) -> tuple[li
     with progress(total, "train steps") as bar:
         for round_ in range(args.rounds):
             for seq_len in args.seq_lens:
-                for family, (model, opt) in models.items():
+                for family, (_, opt, step_model) in models.items():
                     key = (family, seq_len)
                     if key in failed:
                         bar.update(args.warmup + args.steps)
                         continue
                     try:
-                        new = time_point(args, model, opt, seq_len, device, bar)
+                        new = time_point(args, step_model, opt, seq_len, device, bar)
                     except torch.OutOfMemoryError:
                         opt.zero_grad(set_to_none=True)
                         torch.cuda.empty_cache()
@@ -139,7 +143,7 @@ def run(args: argparse.Namespace, device: torch.device, peak: float) -> tuple[li
                               f"{' '.join(f'{t:.3f}' for t in new)} s/step (load {loads[key][-1]:.2f})")
     rows = []
     for seq_len in args.seq_lens:
-        for family, (model, _) in models.items():
+        for family, (model, _, _) in models.items():
             key = (family, seq_len)
             row: dict[str, Any] = dict(family=family, seq_len=seq_len, tokens=args.tokens,
                                        batch=args.tokens // seq_len)
@@ -249,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stat", choices=("median", "min"),
                    help="step time of a point: median of its steps, or the fastest (for a shared host)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--compile", action="store_true", help="torch.compile the model (forward and backward)")
     e = p.add_argument_group("environment and output")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads (default: all cores)")
@@ -283,6 +288,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             raise SystemExit(f"--tokens {args.tokens} is not a positive multiple of the sequence length {t}")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
         raise SystemExit("--steps and --rounds must be positive, --warmup non-negative")
+    if args.compile and args.warmup < 1:
+        raise SystemExit("--compile needs --warmup 1 or more: the first step at each T compiles, and would be timed")
     args.seq_lens = sorted(args.seq_lens)
     return args
 
@@ -327,8 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     info = machine_info(device)
     where = info.get("gpu", f"{info['cpu']}, {info['cores']} cores, {info['threads']} threads")
-    print(f"{where}, {device}, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}; "
-          f"load average {info['load_average'][0]:.2f}")
+    print(f"{where}, {device}, {'bf16 autocast' if device.type == 'cuda' else 'fp32'}"
+          f"{', compiled' if args.compile else ''}; load average {info['load_average'][0]:.2f}")
     print(f"Models: D={args.width}, D_RNN={args.rnn_width}, N={args.depth}, {args.heads} heads of "
           f"{args.width // args.heads} (1 KV head), vocab {args.vocab}, Griffin window {args.window}; "
           f"{args.tokens:,} tokens per batch")
