@@ -20,6 +20,8 @@
 #   serve         benchmarks/serve_load.py --device cuda: a 0.6B byte-level Griffin in bf16, 1, 32 and 256 closed-loop
 #                 clients against HF generate one request at a time (~3 min; on 2026-11-28 the chat and few-shot
 #                 workloads it then also ran kept HF out of the limit: they are left out now)
+#   serve-graph   the same server with --compile (its decode step as CUDA graphs, one per batch bucket up to 32;
+#                 compiling them is most of the ~4 min), 1 and 32 clients
 #   sweep         scan_gpu.py --sweep: kernel tile configurations (choose select_config's tables per GPU; ~4 min)
 #   fig9b, local  Figure 9b (hawk_scan_backends.py) and local attention (FlexAttention) on CUDA
 #
@@ -101,6 +103,11 @@ for step in "$@"; do
                 --heads 16 --window 1024 --concurrency 1 32 256 --requests 256 --max-batch 256 --hf-requests 12 \
                 --workloads load --no-chat --no-static --threads 8 --out "$RESULTS/serve_load_cuda.json" \
                 --figure "" ;;
+        serve-graph)
+            run serve-graph 280 "$PY" benchmarks/serve_load.py --device cuda --dtype bfloat16 --width 2048 --depth 12 \
+                --heads 16 --window 1024 --concurrency 1 32 --requests 64 --max-batch 32 --hf-requests 6 --compile \
+                --workloads load --no-chat --no-static --threads 8 --out "$RESULTS/serve_load_cuda_graph.json" \
+                --figure "" ;;
         sweep)
             run sweep 280 "$PY" benchmarks/scan_gpu.py --sweep --out "$RESULTS/scan_gpu_sweep.json" ;;
         fig9b)
@@ -112,7 +119,7 @@ for step in "$@"; do
                 --out "$RESULTS/local_attention_cuda.json" ;;
         *)
             echo "unknown step: $step (scan, scan-peers, tests, tests-scan, train, train-compiled, train-1b, decode," \
-                "decode-graph, serve, sweep, fig9b, local)" >&2
+                "decode-graph, serve, serve-graph, sweep, fig9b, local)" >&2
             exit 2 ;;
     esac
 done

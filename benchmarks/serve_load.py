@@ -530,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="weights' dtype for the server and the peers")
     p.add_argument("--quantize", choices=("int8",), default=None,
                    help="griffin serve --quantize: the server's weights in int8 (the peers keep --dtype)")
+    p.add_argument("--compile", action="store_true",
+                   help="griffin serve --compile: the decode step compiled per batch bucket (CUDA graphs on a GPU)")
     p.add_argument("--no-chat", action="store_true", help="leave out the multi-turn chat of the load workload")
     p.add_argument("--no-static", action="store_true", help="leave out griffin's static batching (in-process)")
     p.add_argument("--workloads", nargs="+", choices=("load", "fewshot"), default=["load", "fewshot"],
@@ -589,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # griffin serve: every concurrency level, then the chat with the prefix cache
         placement = ("--device", args.device, "--dtype", args.dtype,
-                     *(("--quantize", args.quantize) if args.quantize else ()))
+                     *(("--quantize", args.quantize) if args.quantize else ()),
+                     *(("--compile",) if args.compile else ()))
         server = ServerProcess(ckpt, "--max-batch-size", str(args.max_batch), *placement, threads=args.threads)
         serve_runs = {}
         try:
