@@ -12,7 +12,7 @@ TINY = ["--width", "32", "--rnn-width", "32", "--depth", "2", "--heads", "1", "-
         "--tokens", "256", "--seq-lens", "64", "128", "--steps", "1", "--plot", ""]
 
 
-def test_a_compiled_run_without_warm_up_is_refused(capsys):
+def test_a_compiled_run_without_warm_up_is_refused():
     bench = load_benchmark("train_speed")
     with pytest.raises(SystemExit, match="--compile needs --warmup 1 or more"):
         bench.main([*TINY, "--compile", "--warmup", "0"])
