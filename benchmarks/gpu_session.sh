@@ -8,7 +8,8 @@
 #   scan          the RG-LRU kernel against copy and fla's chunked HGRN kernel (the fastest peer on 2026-11-28):
 #                 B=8, T=2K/8K, D=1024/2560, bf16 and fp32, forward and forward+backward, eager and CUDA-graph (~1.5 min)
 #   scan-peers    the same shapes against every peer: accelerated-scan, fla's recurrent and chunked HGRN (~2.5 min)
-#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (~3 min)
+#   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (over
+#                 2.5 min: on 2026-11-30 it was still running at 150 s)
 #   tests-scan    the RG-LRU kernel's tests alone (full size, torch.compile, CUDA graph; ~1 min)
 #   train         the training step at 400M (Appendix C), bf16 autocast, tokens/s and MFU, T = 2K and 8K (~2 min)
 #   train-compiled  the same at T = 2K with the model compiled (torch.compile; ~3 min, most of it compiling)
@@ -24,6 +25,10 @@
 #                 compiling them is most of the ~4 min), 1 and 32 clients
 #   sweep         scan_gpu.py --sweep: kernel tile configurations (choose select_config's tables per GPU; ~4 min)
 #   fig9b, local  Figure 9b (hawk_scan_backends.py) and local attention (FlexAttention) on CUDA
+#
+# Not yet measured on a GPU (docs/performance.md), in the order of what they decide, for the next lease: one call of
+# `train-compiled decode serve-graph` (~9.5 min; serve-graph needs the server's wheels below), then `train-1b`. Each
+# start of a machine costs 1-2 minutes of the lease.
 #
 # Wheels the image lacks travel with the working tree (no internet there): on a machine with internet, from the
 # repository root (.whl is in .git/info/exclude; the device tool's `carry: [".whl"]`),
