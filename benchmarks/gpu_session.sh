@@ -5,8 +5,9 @@
 #
 #   bash benchmarks/gpu_session.sh STEP [STEP ...]
 #
-#   scan          the RG-LRU kernel against copy and fla's chunked HGRN kernel (the fastest peer on 2026-11-28):
-#                 B=8, T=2K/8K, D=1024/2560, bf16 and fp32, forward and forward+backward, eager and CUDA-graph (~1.5 min)
+#   scan          the RG-LRU kernel, and with save_states, against copy and fla's chunked HGRN kernel (the fastest
+#                 peer on 2026-11-28): B=8, T=2K/8K, D=1024/2560, bf16 and fp32, forward and forward+backward, eager
+#                 and CUDA-graph (~2 min)
 #   scan-peers    the same shapes against every peer: accelerated-scan, fla's recurrent and chunked HGRN (~2.5 min)
 #   tests         the Triton kernels at full size, the CUDA paths of the model, compile and inference tests (over
 #                 2.5 min: on 2026-11-30 it was still running at 150 s)
@@ -27,8 +28,8 @@
 #   fig9b, local  Figure 9b (hawk_scan_backends.py) and local attention (FlexAttention) on CUDA
 #
 # Not yet measured on a GPU (docs/performance.md), in the order of what they decide, for the next lease: one call of
-# `train-compiled decode serve-graph` (~9.5 min; serve-graph needs the server's wheels below), then `train-1b`. Each
-# start of a machine costs 1-2 minutes of the lease.
+# `scan train-compiled serve-graph` (~9 min; scan times the save_states backward, serve-graph needs the server's
+# wheels below), then `decode train-1b`. Each start of a machine costs 1-2 minutes of the lease.
 #
 # Wheels the image lacks travel with the working tree (no internet there): on a machine with internet, from the
 # repository root (.whl is in .git/info/exclude; the device tool's `carry: [".whl"]`),

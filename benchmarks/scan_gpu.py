@@ -1,16 +1,17 @@
 """GPU benchmark of the RG-LRU (paper Section 4.2, Figure 9a setting of Appendix D: batch 8, width 1024).
 
-Times the fused Triton kernel (:mod:`griffin.ops.rg_lru.triton`) against, in the same run, a large device-to-device
+Times the fused Triton kernel (:mod:`griffin.ops.rg_lru.triton`: "triton" as the model calls it, and "triton-states",
+whose backward reads the state the forward kept for every step) against, in the same run, a large device-to-device
 copy (the practical bandwidth limit), the naive PyTorch loop (:func:`griffin.ops.rg_lru.rg_lru_ref`), torch.compile
 of the gate math plus ``associative_scan``, and accelerated-scan's and fla's HGRN kernels where they are installed
 (``benchmarks/scan_peers.py`` says how, without internet). Every implementation is first checked against the
 float64 reference (output and gradients, B=2, T=512, D=96) and left out, with a note, if it is wrong.
 Forward, backward and forward+backward, bf16 I/O (``--dtypes`` adds fp32). Achieved bandwidth = bytes an ideal
-fused kernel must move / time:
-forward reads x, gate_x, gate_a and writes y (4 arrays); backward reads x, gate_x, gate_a, dy and writes dx, dgate_x,
-dgate_a (7 arrays). Medians of ``triton.testing.do_bench`` (eager, L2 flushed between calls) and, for the Triton
-kernel, also of ``do_bench_cudagraph`` (replays of a CUDA graph: device time without Python launch overhead;
-backward = forward+backward - forward there). A baseline whose backward fails is timed forward-only.
+fused kernel must move / time: forward reads x, gate_x, gate_a and writes y (4 arrays); backward reads x, gate_x,
+gate_a, dy and writes dx, dgate_x, dgate_a (7 arrays); the states variant moves 4 bytes an element more each way,
+not counted. Medians of ``triton.testing.do_bench`` (eager, L2 flushed between calls) and, for the Triton kernels,
+also of ``do_bench_cudagraph`` (replays of a CUDA graph: device time without Python launch overhead; backward =
+forward+backward - forward there). A baseline whose backward fails is timed forward-only.
 
     PYTHONPATH=src python benchmarks/scan_gpu.py [--quick] [--out benchmarks/results/scan_gpu.json]
     PYTHONPATH=src python benchmarks/scan_gpu.py --sweep   # time kernel configurations (tile, warps, chunks)
@@ -159,6 +160,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     print(f"device: {props.name}, {props.multi_processor_count} SMs; copy {copy['GB/s']:.0f} GB/s", flush=True)
     impls: dict[str, Callable[..., tuple[Tensor, Tensor]] | str] = {
         "triton": lambda *t: kernels.rg_lru_triton(*t, C),
+        "triton-states": lambda *t: kernels.rg_lru_triton(*t, C, save_states=True),
         "torch.compile": compiled_gates_and_scan(),
         "pytorch-loop": lambda *t: rg_lru_ref(*t, C),
     }
@@ -167,7 +169,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         unknown = sorted(set(args.impls) - set(impls))
         if unknown:
             raise SystemExit(f"--impls: unknown {unknown}; known: {sorted(impls)}")
-        impls = {name: fn for name, fn in impls.items() if name in args.impls or name == "triton"}
+        impls = {name: fn for name, fn in impls.items() if name in args.impls or name.startswith("triton")}
     check, errors = make_inputs(2, 512, 96, torch.bfloat16, seed=1), {}
     for name, fn in list(impls.items()):
         if isinstance(fn, str):
@@ -218,14 +220,17 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         del inputs
         torch.cuda.empty_cache()
         save(args, {**result, "partial": True})
-    for shape, dtype in cases:
-        try:
-            ms = time_graphed(impls["triton"], make_inputs(*shape, DTYPES[dtype]), args.quick)
-        except Exception as err:
-            notes["triton cuda-graph"] = f"capture failed at {shape} {dtype}: {_error(err)}"
-            break
-        result["rows"].append(_row("triton", "cuda-graph", shape, dtype, ms, copy["GB/s"]))
-        save(args, {**result, "partial": True})
+    for name in ("triton", "triton-states"):
+        for shape, dtype in cases:
+            if isinstance(impls[name], str):
+                break
+            try:
+                ms = time_graphed(impls[name], make_inputs(*shape, DTYPES[dtype]), args.quick)
+            except Exception as err:
+                notes[f"{name} cuda-graph"] = f"capture failed at {shape} {dtype}: {_error(err)}"
+                break
+            result["rows"].append(_row(name, "cuda-graph", shape, dtype, ms, copy["GB/s"]))
+            save(args, {**result, "partial": True})
     if args.loop_max_t < max(steps_list):
         notes["pytorch-loop"] = f"timed up to T={args.loop_max_t} only (one Python step per token)"
     return result
@@ -263,13 +268,14 @@ def _measure_config(cfg: kernels.KernelConfig, case: dict, copy_gbs: float, quic
     """Time one configuration's forward and backward launches on case; compare with case["ref"] if set."""
     kernels.select_config = lambda *_, **__: cfg
     x, gate_x, gate_a, scale, dy, dh = (case[k] for k in ("x", "gate_x", "gate_a", "scale", "dy", "dh"))
-    y, _, ckpt = torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0)
-    grads = torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0)
+    y, _, ckpt = torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0, False)
+    grads = torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0, False)
     outs = [y, *grads[:4]]
     err = max(_rel(a, b) for a, b in zip(outs, case["ref"], strict=True)) if case["ref"] else 0.0
     case["ref"] = case["ref"] or outs
-    ms_f = bench(lambda: torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0), quick)
-    ms_b = bench(lambda: torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0), quick)
+    ms_f = bench(lambda: torch.ops.griffin.rg_lru_fwd(x, gate_x, gate_a, scale, None, None, True, 0, False), quick)
+    ms_b = bench(lambda: torch.ops.griffin.rg_lru_bwd(x, gate_x, gate_a, scale, None, ckpt, dy, dh, False, 0, False),
+                 quick)
     n_bytes = x.numel() * x.element_size()
     batch, steps, dim = x.shape
     row = {"B": batch, "T": steps, "D": dim, **dataclasses.asdict(cfg), "n_chunks": triton.cdiv(steps, cfg.chunk_t)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -53,10 +54,11 @@ def _inputs(gen: torch.Generator, shape: tuple[int, int, int], dtype: torch.dtyp
     return tensors, None if init is None else init.to(DEVICE), None if starts is None else starts.to(DEVICE)
 
 
-def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: int = 0) -> None:
+def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: int = 0, states: bool = False) -> None:
     tensors, init, starts = _inputs(gen, shape, dtype, h0, reset)
     leaves = [t.clone().requires_grad_() for t in tensors] + ([init.clone().requires_grad_()] if h0 else [])
-    y, h_last = rg_lru_triton(*leaves[:4], 8.0, leaves[4] if h0 else None, starts, chunk_t=chunk_t)
+    y, h_last = rg_lru_triton(*leaves[:4], 8.0, leaves[4] if h0 else None, starts, chunk_t=chunk_t,
+                              save_states=states)
     assert y.dtype == dtype and h_last.dtype == torch.float32
 
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
@@ -78,18 +80,22 @@ def _check(gen: torch.Generator, shape, dtype, h0: bool, reset: str, chunk_t: in
 
 
 TINY = [(1, 1, 1), (2, 7, 5), (3, 37, 20), (2, 64, 16)]
+# the backward from the state before every step (save_states) or from a checkpoint every time tile
+STATES = pytest.mark.parametrize("states", [False, True], ids=["ckpt", "states"])
 
 
+@STATES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", TINY, ids=lambda s: "x".join(map(str, s)))
-def test_matches_reference(gen, shape, dtype) -> None:
-    _check(gen, shape, dtype, h0=True, reset="random")
+def test_matches_reference(gen, shape, dtype, states) -> None:
+    _check(gen, shape, dtype, h0=True, reset="random", states=states)
 
 
+@STATES
 @pytest.mark.parametrize("h0", [False, True], ids=["no_h0", "h0"])
 @pytest.mark.parametrize("reset", ["none", "start"])
-def test_h0_and_resets(gen, h0, reset) -> None:
-    _check(gen, (3, 29, 18), torch.float32, h0=h0, reset=reset)
+def test_h0_and_resets(gen, h0, reset, states) -> None:
+    _check(gen, (3, 29, 18), torch.float32, h0=h0, reset=reset, states=states)
 
 
 def _time_tile() -> int:
@@ -102,10 +108,11 @@ def _time_tile() -> int:
                                                        pytest.param(3, torch.float32, marks=pytest.mark.slow),
                                                        pytest.param(2, torch.bfloat16, marks=pytest.mark.slow)],
                          ids=["2-fp32", "3-bf16", "3-fp32", "2-bf16"])
-def test_chunked_in_time(gen, dtype, tiles_per_chunk) -> None:
+@STATES
+def test_chunked_in_time(gen, dtype, tiles_per_chunk, states) -> None:
     """Chunks scanned in parallel, then the carry fix-up: same function as the sequential variant."""
     tile = _time_tile()
-    _check(gen, (2, 8 * tile - 3, 21), dtype, h0=True, reset="random", chunk_t=tiles_per_chunk * tile)
+    _check(gen, (2, 8 * tile - 3, 21), dtype, h0=True, reset="random", chunk_t=tiles_per_chunk * tile, states=states)
 
 
 def test_chunk_must_be_a_multiple_of_the_tile() -> None:
@@ -141,23 +148,26 @@ FULL = [((8, 2048, 1024), torch.bfloat16), ((1, 4096, 2560), torch.bfloat16), ((
 
 @requires_cuda
 @pytest.mark.parametrize("shape,dtype", FULL, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_full_size(gen, shape, dtype) -> None:
-    _check(gen, shape, dtype, h0=True, reset="random")
+@STATES
+def test_full_size(gen, shape, dtype, states) -> None:
+    _check(gen, shape, dtype, h0=True, reset="random", states=states)
 
 
 @requires_cuda
 @pytest.mark.parametrize("chunk_t", [256, 1024])
-def test_full_size_chunked(gen, chunk_t) -> None:
-    _check(gen, (2, 4000, 768), torch.bfloat16, h0=True, reset="random", chunk_t=chunk_t)
+@STATES
+def test_full_size_chunked(gen, chunk_t, states) -> None:
+    _check(gen, (2, 4000, 768), torch.bfloat16, h0=True, reset="random", chunk_t=chunk_t, states=states)
 
 
 @requires_cuda
-def test_torch_compile_and_cuda_graph(gen) -> None:
+@STATES
+def test_torch_compile_and_cuda_graph(gen, states) -> None:
     tensors, init, starts = _inputs(gen, (2, 300, 96), torch.bfloat16, h0=True, reset="random")
     leaves = [t.clone().requires_grad_() for t in tensors]
 
     def loss(x, gate_x, gate_a, a_param):
-        y, h_last = rg_lru_triton(x, gate_x, gate_a, a_param, 8.0, init, starts)
+        y, h_last = rg_lru_triton(x, gate_x, gate_a, a_param, 8.0, init, starts, save_states=states)
         return y.float().square().sum() + h_last.sum()
 
     eager = torch.autograd.grad(loss(*leaves), leaves)
@@ -179,6 +189,18 @@ def test_torch_compile_and_cuda_graph(gen) -> None:
         dst.copy_(src)
     graph.replay()
     torch.testing.assert_close(y_graph, rg_lru_triton(*static, 8.0, init, starts)[0], rtol=0, atol=0)
+
+
+def test_the_environment_sets_the_default_of_save_states() -> None:
+    """GRIFFIN_RG_LRU_STATES=1 turns save_states on for calls that leave it None (the model's), read at import."""
+    code = "import griffin.ops.rg_lru.triton as k; print(k.SAVE_STATES)"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    for value, expected in (("1", "True"), ("0", "False"), (None, "False")):
+        env.pop("GRIFFIN_RG_LRU_STATES", None)
+        if value is not None:
+            env["GRIFFIN_RG_LRU_STATES"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr[-2000:])
 
 
 def test_host_tensors_are_refused_before_a_compiled_launch(gen, monkeypatch) -> None:

@@ -8,8 +8,10 @@ TPU). This module does the same on GPUs:
   Appendix A) and writes y once. The only extra output is one float32 state per backward time tile (a
   checkpoint every 16 steps on CUDA: 1/32 of y's bytes in bf16) kept for the backward pass.
 * backward reads x, gate_x, gate_a and dy once, recomputes the gates and, from the checkpoints, the forward
-  state, runs the reverse scan and writes dx, dgate_x, dgate_a once. The gradient of ``-c softplus(Lambda)``
-  is summed per program (no atomics) and reduced by torch afterwards; the chain rule to Lambda is torch's.
+  state (or, with ``save_states``, reads the float32 state the forward kept for every step: 4 bytes an element
+  more, one scan fewer), runs the reverse scan and writes dx, dgate_x, dgate_a once. The gradient of
+  ``-c softplus(Lambda)`` is summed per program (no atomics) and reduced by torch afterwards; the chain rule to
+  Lambda is torch's.
 * a program owns ``BLOCK_D`` channels of one sequence and walks time in tiles of ``BLOCK_T`` steps; inside a
   tile the recurrence is a ``tl.associative_scan`` over (a, b) pairs. Carries are products of a_t in [0, 1];
   nothing is divided, so any length is stable.
@@ -27,6 +29,7 @@ y has x's dtype, h_last is float32 (B, D). The sqrt in ``sqrt(1 - a_t^2)`` has i
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -64,6 +67,8 @@ class KernelConfig:
 # Read once: the kernels below are defined for one mode, and torch.compile cannot trace Triton's environment lookup
 # (a call into its C extension) inside rg_lru_triton.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
+# rg_lru_triton's save_states default (see there); read once, for the same reason
+SAVE_STATES = os.environ.get("GRIFFIN_RG_LRU_STATES", "0") == "1"
 
 if INTERPRETED:  # the interpreter runs no PTX
 
@@ -215,7 +220,7 @@ def _rg_lru_bwd_kernel(
     x_ptr, gx_ptr, ga_ptr, log2_scale_ptr, reset_ptr, dy_ptr, ckpt_ptr, s_init_ptr,
     dx_ptr, dgx_ptr, dga_ptr, dlog2_scale_ptr, s_out_ptr, p_out_ptr,
     T, D, n_chunks, chunk_t, n_tiles,
-    HAS_RESET: tl.constexpr, SUMMARY: tl.constexpr, WRITE_DH0: tl.constexpr,
+    HAS_RESET: tl.constexpr, SUMMARY: tl.constexpr, WRITE_DH0: tl.constexpr, STATES: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Reverse scan of one chunk of BLOCK_D channels; s = a_t dh_t is the carry passed to step t - 1.
@@ -224,7 +229,8 @@ def _rg_lru_bwd_kernel(
     SUMMARY: start from s = 0, read only gate_a and dy, write (s at the chunk start, prod a) to s_out/p_out.
     Otherwise recompute the gates and the state from the checkpoints, write dx, dgate_x, dgate_a, this program's
     partial sum of dL/dlog2_scale to dlog2_scale (B, n_chunks, D), and from chunk 0 (WRITE_DH0) dL/dh0 = s to
-    s_out (B, D).
+    s_out (B, D). STATES: the checkpoints are the state before every step (B, T, D), read instead of rescanned;
+    the tile's rows are then laid out latest first, so the adjoint scan needs no reversed (cross-lane) scan.
     """
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -232,7 +238,10 @@ def _rg_lru_bwd_kernel(
     b = pid // n_dblk
     cols = (pid % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    rows = tl.arange(0, BLOCK_T)
+    if STATES and not SUMMARY:  # the forward's state before every step (ckpt (B, T, D)): rows latest first, so
+        rows = BLOCK_T - 1 - tl.arange(0, BLOCK_T)  # that the adjoint is a forward scan and nothing is recomputed
+    else:
+        rows = tl.arange(0, BLOCK_T)
     tile = rows[:, None] * D + cols[None, :]
     first = rows[:, None] == 0
     n_loads: tl.constexpr = 2 if SUMMARY else 4
@@ -264,16 +273,22 @@ def _rg_lru_bwd_kernel(
             s = tl.sum(tl.where(first, acc_p * s[None, :] + acc_q, 0.0), axis=0)
         else:
             x = x.to(tl.float32)
-            h_in = tl.load(ckpt_ptr + (b * n_tiles + t0 // BLOCK_T).to(tl.int64) * D + cols, mask=col_ok, other=0.0)
             u = 1.0 - a * a
             mult = tl.where(rst, 1.0, tl.sqrt(u))
             sig_x = _sigmoid(gx.to(tl.float32))
             xi = x * sig_x
-            bb = xi * mult
-            acc_a, acc_b = tl.associative_scan((a_eff, bb), 0, _scan_combine)
-            a_h_prev = acc_a * h_in[None, :] + acc_b - bb  # a_t h_{t-1}, no division
             ones = tl.full([BLOCK_T, BLOCK_D], 1.0, tl.float32)
-            _, acc_u, acc_v = tl.associative_scan((a_eff, ones, g), 0, _adjoint_combine, reverse=True)
+            if STATES:
+                h_prev = tl.load(ckpt_ptr + (seq + t0 + rows)[:, None] * D + cols[None, :], mask=mask, other=0.0)
+                a_h_prev = a_eff * h_prev  # a_t h_{t-1}
+                _, acc_u, acc_v = tl.associative_scan((a_eff, ones, g), 0, _adjoint_combine)
+            else:
+                h_in = tl.load(ckpt_ptr + (b * n_tiles + t0 // BLOCK_T).to(tl.int64) * D + cols, mask=col_ok,
+                               other=0.0)  # fmt: skip
+                bb = xi * mult
+                acc_a, acc_b = tl.associative_scan((a_eff, bb), 0, _scan_combine)
+                a_h_prev = acc_a * h_in[None, :] + acc_b - bb  # a_t h_{t-1}, no division
+                _, acc_u, acc_v = tl.associative_scan((a_eff, ones, g), 0, _adjoint_combine, reverse=True)
             dh = acc_u * s[None, :] + acc_v
             s = tl.sum(tl.where(first, a_eff * dh, 0.0), axis=0)
             dlog_a = dh * (a_h_prev - 2.0 * a * a * xi * tl.rsqrt(tl.maximum(4.0 * u, _MIN_4U)))
@@ -380,11 +395,13 @@ def _rg_lru_fwd(
     reset: Tensor | None,
     save_ckpt: bool,
     chunk_t: int,
+    save_states: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward launch(es): returns y (like x), h_last (B, D) fp32 and the checkpoints (B, n_ckpt, D) fp32."""
+    """Forward launch(es): returns y (like x), h_last (B, D) fp32 and the checkpoints (B, n_ckpt, D) fp32: the state
+    before every block_t-th step (the backward's time tile), or before every step if save_states."""
     batch, steps, dim = x.shape
     cfg = select_config(x, backward=False, chunk_t=chunk_t)
-    ckpt_t = select_config(x, backward=True).block_t if save_ckpt else 0  # the backward's time tile
+    ckpt_t = (1 if save_states else select_config(x, backward=True).block_t) if save_ckpt else 0
     n_ckpt = max(1, _cdiv(steps, ckpt_t)) if save_ckpt else 0  # checkpoint 0 (h0) exists even when T == 0
     n_chunks = max(1, _cdiv(steps, cfg.chunk_t))
     y = torch.empty_like(x)
@@ -426,6 +443,7 @@ def _rg_lru_bwd(
     dh_last: Tensor,
     need_dh0: bool,
     chunk_t: int,
+    states: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward launch(es): returns dx, dgate_x, dgate_a (like the inputs), dscale (D,) and dh0 (B, D) fp32."""
     batch, steps, dim = x.shape
@@ -445,7 +463,7 @@ def _rg_lru_bwd(
         wrap_triton(_rg_lru_bwd_kernel)[grid](
             x, gate_x, gate_a, scale, reset_arg, dy, ckpt, x, dx, dgx, dga, dscale, s_start, p_prod,
             steps, dim, n_chunks, cfg.chunk_t, n_tiles, HAS_RESET=reset is not None, SUMMARY=True,
-            WRITE_DH0=False, **cfg.meta(),
+            WRITE_DH0=False, STATES=states, **cfg.meta(),
         )  # fmt: skip
         wrap_triton(_chunk_carry_kernel)[(grid[0],)](
             p_prod, s_start, dh_last, s_init, dim, n_chunks,
@@ -454,16 +472,16 @@ def _rg_lru_bwd(
     wrap_triton(_rg_lru_bwd_kernel)[grid](
         x, gate_x, gate_a, scale, reset_arg, dy, ckpt, s_init, dx, dgx, dga, dscale, dh0, dh0,
         steps, dim, n_chunks, cfg.chunk_t, n_tiles, HAS_RESET=reset is not None, SUMMARY=False,
-        WRITE_DH0=need_dh0, **cfg.meta(),
+        WRITE_DH0=need_dh0, STATES=states, **cfg.meta(),
     )  # fmt: skip
     return dx, dgx, dga, dscale.sum(dim=(0, 1)), dh0
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, gate_x, gate_a, scale, _, reset, _, chunk_t = inputs
+    x, gate_x, gate_a, scale, _, reset, _, chunk_t, save_states = inputs
     ctx.mark_non_differentiable(output[2])
     ctx.save_for_backward(x, gate_x, gate_a, scale, reset, output[2])
-    ctx.chunk_t = chunk_t
+    ctx.chunk_t, ctx.states = chunk_t, save_states
 
 
 def _backward(ctx, dy: Tensor, dh_last: Tensor, _dckpt: Tensor):
@@ -473,9 +491,9 @@ def _backward(ctx, dy: Tensor, dh_last: Tensor, _dckpt: Tensor):
         raise RuntimeError("rg_lru_triton: backward through a forward run without checkpoints (save_ckpt=False)")
     dx, dgx, dga, dscale, dh0 = torch.ops.griffin.rg_lru_bwd(
         x, gate_x, gate_a, scale, reset, ckpt, dy.contiguous(), dh_last.float().contiguous(), need_dh0,
-        ctx.chunk_t,
+        ctx.chunk_t, ctx.states,
     )  # fmt: skip
-    return dx, dgx, dga, dscale, dh0 if need_dh0 else None, None, None, None
+    return dx, dgx, dga, dscale, dh0 if need_dh0 else None, None, None, None, None
 
 
 _rg_lru_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -491,11 +509,15 @@ def rg_lru_triton(
     reset: Tensor | None = None,
     *,
     chunk_t: int = 0,
+    save_states: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The fused RG-LRU (Section 2.4): returns y (like x) and the float32 final state (B, D).
 
     chunk_t > 0 forces the chunked variant with this time chunk (a multiple of its time tile; chunk_t >= T gives
-    one chunk); 0 lets :func:`select_config` choose per shape and direction.
+    one chunk); 0 lets :func:`select_config` choose per shape and direction. save_states: for the backward, keep the
+    float32 state before every step (4 bytes an element of activation memory) instead of one every time tile, so
+    that the backward reads it rather than recomputing it with a second scan; None takes the environment's
+    GRIFFIN_RG_LRU_STATES=1 (off by default: not yet timed on a GPU, docs/gpu-notes.md).
     """
     check_rg_lru_inputs(x, gate_x, gate_a, a_param)
     if not INTERPRETED:  # compiled kernels read device memory only: refuse host tensors here
@@ -513,6 +535,7 @@ def rg_lru_triton(
     inputs = (x, gate_x, gate_a, scale, h0)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     y, h_last, _ = torch.ops.griffin.rg_lru_fwd(
-        x.contiguous(), gate_x.contiguous(), gate_a.contiguous(), scale, h0, reset, save_ckpt, chunk_t
+        x.contiguous(), gate_x.contiguous(), gate_a.contiguous(), scale, h0, reset, save_ckpt, chunk_t,
+        SAVE_STATES if save_states is None else save_states,
     )
     return y, h_last
