@@ -192,7 +192,8 @@ def test_torch_compile_and_cuda_graph(gen, states) -> None:
 
 
 def test_the_environment_sets_the_default_of_save_states() -> None:
-    """GRIFFIN_RG_LRU_STATES=1 turns save_states on for calls that leave it None (the model's), read at import."""
+    """GRIFFIN_RG_LRU_STATES=1 turns save_states on for calls that leave it None (the model's), read at import; any
+    other value than 1, 0 or empty is refused."""
     code = "import griffin.ops.rg_lru.triton as k; print(k.SAVE_STATES)"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     for value, expected in (("1", "True"), ("0", "False"), (None, "False")):
@@ -201,6 +202,9 @@ def test_the_environment_sets_the_default_of_save_states() -> None:
             env["GRIFFIN_RG_LRU_STATES"] = value
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected, (value, out.stdout, out.stderr[-2000:])
+    env["GRIFFIN_RG_LRU_STATES"] = "true"  # not a value it takes: refused by name, not read as off
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "GRIFFIN_RG_LRU_STATES='true': expected 1" in out.stderr, out.stderr[-2000:]
 
 
 def test_host_tensors_are_refused_before_a_compiled_launch(gen, monkeypatch) -> None:

@@ -68,7 +68,10 @@ class KernelConfig:
 # (a call into its C extension) inside rg_lru_triton.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 # rg_lru_triton's save_states default (see there); read once, for the same reason
-SAVE_STATES = os.environ.get("GRIFFIN_RG_LRU_STATES", "0") == "1"
+_STATES_ENV = os.environ.get("GRIFFIN_RG_LRU_STATES", "0")
+if _STATES_ENV not in ("", "0", "1"):
+    raise ValueError(f"GRIFFIN_RG_LRU_STATES={_STATES_ENV!r}: expected 1 (the backward from kept states) or 0 (not)")
+SAVE_STATES = _STATES_ENV == "1"
 
 if INTERPRETED:  # the interpreter runs no PTX
 
