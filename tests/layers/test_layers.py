@@ -22,7 +22,7 @@ from griffin.layers.quantized import Int8BlockDiagonalLinear
 from griffin.layers.recurrent_block import RecurrentBlock
 from griffin.layers.rg_lru import DENSE_GATES_MAX_WIDTH, dense_gates
 from griffin.layers.rope import apply_rope, rope_angles, rope_angles_cpu, rope_angles_ref
-from griffin.ops.attention import CAUSAL_BMM_CHUNK, CAUSAL_BMM_MAX_LEN, MAX_CHUNK
+from griffin.ops.attention import AMX_CAUSAL_BMM_MAX_LEN, CAUSAL_BMM_CHUNK, CAUSAL_BMM_MAX_LEN, MAX_CHUNK
 from tests.conftest import rg_lru_formula, seed_torch
 
 
@@ -150,6 +150,23 @@ def test_compiled_cpu_global_attention_attends_bf16_sequences_by_bmm(gen, monkey
     cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa")
     compiled_bf16_against_float64(gen, cfg, False, T, packed)
     assert len(calls) == bmm_calls
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_cpu_global_attention_on_amx_takes_the_fused_kernel_beyond_its_limit(gen, monkeypatch, amx, packed):
+    """On a CPU with AMX, global attention over more than AMX_CAUSAL_BMM_MAX_LEN tokens goes through the fused causal
+    kernel (no mask), documents (a mask) still through attention_bmm's chunks; without AMX, attention_bmm up to
+    CAUSAL_BMM_MAX_LEN. Either way the float64 layer's output and gradients within bf16's rounding."""
+    import griffin.ops.attention as attention
+
+    calls, attention_bmm = [], attention.attention_bmm
+    monkeypatch.setattr(attention, "attention_bmm", lambda *args: calls.append(True) or attention_bmm(*args))
+    monkeypatch.setattr(attention, "AMX", amx)
+    T = AMX_CAUSAL_BMM_MAX_LEN + 1
+    cfg = ModelConfig(width=32, num_heads=2, num_kv_heads=1, head_dim=16, depth=1, family="mqa")
+    compiled_bf16_against_float64(gen, cfg, False, T, packed)
+    assert len(calls) == (0 if amx and not packed else -(-T // CAUSAL_BMM_CHUNK))
 
 
 @pytest.mark.parametrize("T, window, bmm_calls", [(40, 16, 1), (300, 100, -(-300 // CAUSAL_BMM_CHUNK)),

@@ -16,7 +16,8 @@ the fused kernel in float32 (:func:`fused_sdpa_float32`: under a mask its float3
 :func:`sliding_window_attention_ref` is the reference: one dense T × T mask, for tests. A compiled bf16 CPU step
 over at most :data:`CAUSAL_BMM_MAX_LEN` tokens without a cache takes neither: a layer's local attention goes through
 :func:`causal_attention` with the window (:func:`local_by_causal_chunks`), chunks of :data:`CAUSAL_BMM_CHUNK`
-queries by :func:`attention_bmm`, each over the keys from the first its window reaches, as global attention does.
+queries by :func:`attention_bmm`, each over the keys from the first its window reaches, as global attention does
+(on a CPU with AMX, global attention without documents only up to :data:`AMX_CAUSAL_BMM_MAX_LEN` tokens).
 
 Layout: q (B, T, H, d); k, v (B, P + T, H_kv, d), where the first P keys precede the first query (the tokens
 held in a cache, oldest first; P = 0 without one). Query t sits at key index P + t. Segments (document ids) are
@@ -43,6 +44,12 @@ BMM_MAX_SPAN = 256
 # Griffin steps, benchmarks/train_small.py; docs/performance.md, "Small-model training"); longer sequences through
 # the fused kernel, or sliding_window_attention.
 CAUSAL_BMM_CHUNK, CAUSAL_BMM_MAX_LEN = 64, 1024
+# On a CPU with AMX tiles (Intel Sapphire Rapids and later), the fused kernel's bf16 causal attention without a mask
+# (is_causal) runs its blocks on the tiles: beyond AMX_CAUSAL_BMM_MAX_LEN tokens it beat attention_bmm's chunks (the
+# compiled MQA step at 1,024 tokens), up to it not. Local attention and documents (a mask) keep attention_bmm: the
+# fused kernel under a mask lost there (docs/performance.md, "Small-model training").
+AMX_CAUSAL_BMM_MAX_LEN = 512
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def local_chunk(window: int) -> int:
@@ -123,9 +130,11 @@ def chunks_by_bmm(q: Tensor, span: int) -> bool:
     return compiled_cpu_half(q) and span <= BMM_MAX_SPAN
 
 
-def causal_by_bmm(q: Tensor) -> bool:
-    """Whether :func:`causal_attention` attends q (N, H, T, d) by chunks through :func:`attention_bmm`."""
-    return compiled_cpu_half(q) and q.shape[2] <= CAUSAL_BMM_MAX_LEN
+def causal_by_bmm(q: Tensor, masked: bool = True) -> bool:
+    """Whether :func:`causal_attention` attends q (N, H, T, d) by chunks through :func:`attention_bmm`; ``masked``:
+    with a window or documents (else global attention, which the fused kernel takes without a mask)."""
+    limit = CAUSAL_BMM_MAX_LEN if masked or not AMX else AMX_CAUSAL_BMM_MAX_LEN
+    return compiled_cpu_half(q) and q.shape[2] <= limit
 
 
 def local_by_causal_chunks(q: Tensor) -> bool:
@@ -152,7 +161,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     window reaches to its last query, the later ones being masked for all of it: without a window (n + 1) / 2n of
     the whole T x T score work for n chunks, and scores that stay in cache. Else :func:`fused_sdpa`, its reference."""
     T = q.shape[2]
-    if chunk is None and causal_by_bmm(q):
+    if chunk is None and causal_by_bmm(q, masked=window is not None or q_seg is not None):
         chunk = T if T <= BMM_MAX_SPAN and window is None else CAUSAL_BMM_CHUNK
     if chunk is None and q_seg is None and window is None:
         return fused_sdpa(q, k, v, None, scale, causal=True)
