@@ -108,7 +108,10 @@ def attention_bmm(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | 
     # each row's mask, for the G heads' rows stacked: (G * L, S) or (N or 1, 1, G * L, S); Inductor's softmax over
     # a 5-D view of the scores, the mask broadcast over G, ran at half the speed
     seen = mask if G == 1 else mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, 1, G, 1)
-    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    # the mask as an additive bias (0 where seen, -inf where not), one small tensor: with masked_fill on the scores,
+    # Inductor's compiled softmax recomputed a causal mask's index arithmetic for every score in each of its passes
+    bias = torch.zeros(seen.shape, dtype=scores.dtype, device=scores.device).masked_fill(~seen, float("-inf"))
+    probs = torch.softmax(scores + bias, dim=-1)
     return torch.matmul(probs, v.to(acc)).view(N, H, L, d).to(q.dtype)
 
 
