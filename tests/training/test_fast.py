@@ -89,12 +89,19 @@ NO_BF16 = pytest.mark.skipif(not native_bf16(torch.device("cpu")),
                                              pytest.param("griffin", True, marks=[NO_BF16, pytest.mark.slow])])
 def test_bf16_autocast_trains_as_fp32_within_a_stated_tolerance_for_200_steps(family, compile, tmp_path):
     """bf16 autocast (matmuls in bf16, the RG-LRU, Conv1D and loss in fp32; the compiled step's attention by
-    attention_bmm, its scores bf16): every step's loss within 5% of the fp32 run's, the last 20 steps' mean within
-    1% (measured on a Zen 4: 2.5% and 0.03% for Hawk's eager step)."""
-    ref, _ = train_losses(config(tmp_path / "ref", family))
-    got, trainer = train_losses(config(tmp_path / "bf16", family, precision="bf16", compile=compile))
+    attention_bmm, its scores bf16) against fp32, each run with seeds 0, 1 and 2 and the losses averaged over the
+    seeds: every step's mean loss within 5% of fp32's, the last 20 steps' within 1%. One seed's run is not enough: past
+    the task's first learning step the two trajectories part by chance, as two fp32 seeds do. Hawk's eager step, last
+    20 steps: on a Zen 4 seed 0 within 0.03%; on an Intel Xeon with AMX seed 0 1.26% above fp32 and seeds 1 and 2
+    0.15% and 0.27% below, the mean 0.28% above, while the fp32 seeds' own last 20 steps range from 2.27 to 2.35."""
+    ref = [train_losses(config(tmp_path / f"ref{seed}", family, seed=seed))[0] for seed in range(3)]
+    runs = [train_losses(config(tmp_path / f"bf16_{seed}", family, precision="bf16", compile=compile, seed=seed))
+            for seed in range(3)]
+    got = [losses for losses, _ in runs]
+    trainer = runs[0][1]
     assert trainer.autocast == torch.bfloat16 and trainer.model.loss.float32_logits  # 'auto' on CPU
-    assert got != ref  # the matmuls did run in bf16
+    assert got[0] != ref[0]  # the matmuls did run in bf16
+    ref, got = ([sum(step) / 3 for step in zip(*losses, strict=True)] for losses in (ref, got))
     assert ref[-1] < ref[0] - 0.3
     assert max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) < 0.05
     last = sum(ref[-20:]) / 20
