@@ -255,8 +255,9 @@ def test_a_fine_tune_may_change_only_weight_free_fields():
 
 
 def test_compare_from_an_earlier_comparison(tmp_path, capsys):
+    # (evaluated at two short lengths: the default, the training length doubled up to 65,536, took 2.5 minutes)
     quick = ["--max-steps", "2", "--batch-size", "2", "--eval-interval", "1", "--eval-sequences", "4", "--no-progress",
-             "--no-tensorboard"]
+             "--no-tensorboard", "--lengths", "20", "40", "--sequences", "4"]
     short, longer = tmp_path / "short", tmp_path / "long"
     assert main(["synth", "compare", "induction-heads", "--out", str(short), "--families", "hawk", "griffin",
                  "--seq-len", "12", "--window", "4", *quick]) == 0
