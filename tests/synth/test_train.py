@@ -44,9 +44,12 @@ def test_a_few_steps_of_every_task_and_family(name, family, tmp_path, gen):
     assert [r["accuracy"] for r in evals if r["kind"] == "eval"] == [r["accuracy"] for r in result.history]
 
 
-def test_resume_continues_the_task_stream_exactly(tmp_path, gen):
+@pytest.mark.parametrize("prefix_stream", [False, True])
+def test_resume_continues_the_task_stream_exactly(tmp_path, gen, prefix_stream):
+    """(With the prefix stream, its cache is in the checkpoint: without it the resumed steps would start from another
+    state, and the weights would differ.)"""
     task, seed = TASKS["induction_heads"], seed_of(gen)
-    opts = dict(QUICK, steps=4, ckpt_every=2, eval_every=2, seed=seed)
+    opts = dict(QUICK, steps=4, ckpt_every=2, eval_every=2, seed=seed, prefix_stream=prefix_stream)
     whole = train_task(task, "griffin", tmp_path / "whole", **opts)
     part = tmp_path / "part"
     train_task(task, "griffin", part, **opts)
@@ -55,6 +58,7 @@ def test_resume_continues_the_task_stream_exactly(tmp_path, gen):
         path.unlink()
     step4.rmdir()
     (part / "checkpoints" / "latest").unlink()
+    assert (part / "checkpoints" / "step_00000002" / "source_state.safetensors").is_file() == prefix_stream
     resumed = train_task(task, "griffin", part, resume=True, **opts)
     assert resumed.history == whole.history
     a, b = load_pretrained(tmp_path / "whole").state_dict(), load_pretrained(part).state_dict()

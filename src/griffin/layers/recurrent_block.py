@@ -70,7 +70,10 @@ class RecurrentBlock(nn.Module):
         conv_reset = ctx.reset if self.config.conv1d_document_reset else None
         conv = self.conv_1d(u, conv_reset, None if cache is None else cache.conv)
         h, h_last = self.rg_lru(conv, ctx.reset, None if cache is None else cache.h)
-        if cache is not None:
+        if cache is not None and torch.is_grad_enabled():  # training from a cached state (griffin synth
+            # --prefix-stream): the backward reads the state before, so the state after replaces it, not overwrites it
+            cache.conv, cache.h = next_conv_state(cache.conv, u, conv_reset), h_last
+        elif cache is not None:
             cache.conv.copy_(next_conv_state(cache.conv, u, conv_reset))
             cache.h.copy_(h_last)
         return self.linear_out(h * y)

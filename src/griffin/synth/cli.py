@@ -70,6 +70,10 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="bf16: autocast (with --compile, refused on a CPU without a bf16 matmul); auto: bf16 on CUDA "
                         "where supported, else fp32 (griffin train --precision)")
+    g.add_argument("--prefix-stream", action="store_true",
+                   help="induction heads, Hawk and Griffin: each training sequence continues a stream of random "
+                        "tokens (no trigger) advanced --seq-len tokens a step without gradients, so that training "
+                        "meets the states long prefixes reach (docs/experiments.md)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -99,7 +103,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 weight_decay=args.weight_decay, seed=args.seed, eval_every=args.eval_every,
                 eval_sequences=args.eval_sequences, window=args.window, model=model,
                 stop_accuracy=args.stop_accuracy, compile=args.compile, precision=args.precision,
-                compile_fallback=args.compile_fallback, init=getattr(args, "init", None))
+                compile_fallback=args.compile_fallback, init=getattr(args, "init", None),
+                prefix_stream=args.prefix_stream)
 
 
 def _stopped(stopped: Exception, hint: str) -> int:

@@ -33,7 +33,7 @@ from griffin.io import atomic_write, write_json
 from griffin.synth.evaluate import evaluate_lengths
 from griffin.synth.plots import plot_accuracy, plot_lengths
 from griffin.synth.tasks import Task
-from griffin.synth.train import RESULT_FILE, SynthResult, check_init, resolve_options, train_task
+from griffin.synth.train import RESULT_FILE, SynthResult, check_init, check_prefix_stream, resolve_options, train_task
 from griffin.training import StopRequest
 
 LENGTHS_FILE = "lengths.json"
@@ -92,6 +92,8 @@ def compare(task: Task, out: str | Path, families: Sequence[str] = FAMILIES, *, 
     family_options = {family: dict(train_options, init=None if init is None else str(Path(init) / family))
                       for family in families}
     options = {family: resolve_options(task, **family_options[family]) for family in families}  # all checked first
+    for family in families:
+        check_prefix_stream(family, options[family])
     if init is not None:
         for family in families:
             check_init(options[family]["init"], task, family)

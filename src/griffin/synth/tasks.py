@@ -69,6 +69,12 @@ class Task:
     def targets_per_sequence(self) -> int:
         raise NotImplementedError
 
+    def filler(self, batch_size: int, length: int, rng: np.random.Generator) -> np.ndarray:
+        """``length`` tokens per row of what fills a sequence between the tokens that matter (no query, no answer):
+        the long prefixes a model meets beyond its training length (``griffin synth --prefix-stream``). A task
+        without such a stream raises a ValueError naming it."""
+        raise ValueError(f"{self.name} has no filler stream to continue: --prefix-stream trains induction heads")
+
     def with_length(self, seq_len: int) -> Task:
         """The same task at another sequence length (checked)."""
         return dataclasses.replace(self, seq_len=seq_len)
@@ -186,6 +192,12 @@ class InductionHeads(Task):
         targets = np.full((B, T), IGNORE_INDEX, np.int64)
         targets[:, -1] = ids[rows, first + 1]
         return ids, targets
+
+    def filler(self, batch_size: int, length: int, rng: np.random.Generator) -> np.ndarray:
+        """Random ordinary tokens (no trigger): a prefix before the trigger, as long as wanted."""
+        _positive_int(self.name, "batch_size", batch_size)
+        _positive_int(self.name, "length", length)
+        return rng.integers(1, self.vocab_size, (batch_size, length))
 
     def sources(self, ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
         first = (ids[:, :-1] == self.TRIGGER).argmax(1)

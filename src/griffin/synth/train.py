@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from griffin.config import FAMILIES
 from griffin.interop import save_pretrained
 from griffin.io import write_json
@@ -74,14 +76,15 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
                     window: int | None = None, warmup_steps: int | None = None, weight_decay: float = 0.1,
                     model: dict[str, Any] | None = None, stop_accuracy: float | None = None,
                     compile: bool = False, precision: str = "auto", compile_fallback: bool = False,
-                    init: str | None = None) -> dict[str, Any]:
+                    init: str | None = None, prefix_stream: bool = False) -> dict[str, Any]:
     """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None.
     ``stop_accuracy``: end the run at the first evaluation whose held-out accuracy reaches it (None: train every
     step); ``compile``: the trainer's compiled step (``griffin train --compile``); ``precision``: the trainer's
     (``auto``, ``fp32`` or ``bf16`` autocast; ``griffin train --precision``); ``compile_fallback``: where the compiled
     step cannot run, train the uncompiled one instead of refusing (``griffin train --compile-fallback``); ``init``:
     start from the model of another ``griffin synth`` run of the same task and family (e.g. trained at a shorter
-    length) instead of a new one."""
+    length) instead of a new one; ``prefix_stream``: each training sequence continues a stream of the task's filler
+    (:mod:`griffin.synth.source`; induction heads, Hawk and Griffin)."""
     budget = BUDGETS[task.name]
     opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
                             "eval_sequences": eval_sequences}
@@ -105,10 +108,20 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
     if init is not None and model:
         raise ValueError(f"model overrides {sorted(model)} with init={init!r}: a run started from another keeps its "
                          "model")
+    if prefix_stream:  # (recorded only when set: the options of earlier runs, which had none, stay the same)
+        task.filler(1, 1, np.random.default_rng(0))  # a task without a filler stream is refused before training
+        opts["prefix_stream"] = True
     opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}),
                 stop_accuracy=stop_accuracy, compile=bool(compile), precision=precision,
                 compile_fallback=bool(compile_fallback), init=None if init is None else str(init))
     return opts
+
+
+def check_prefix_stream(family: str, opts: dict[str, Any]) -> None:
+    """Refuse the prefix stream for MQA: its global attention has no fixed-size state to continue."""
+    if opts.get("prefix_stream") and family == "mqa":
+        raise ValueError("--prefix-stream: MQA's global attention has no fixed-size state to continue (Hawk and "
+                         "Griffin have one); leave MQA out of this run")
 
 
 def check_init(init: str | Path, task: Task, family: str) -> None:
@@ -152,6 +165,7 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     opts = resolve_options(task, **options)
+    check_prefix_stream(family, opts)
     steps, batch_size, eval_every = opts["steps"], opts["batch_size"], opts["eval_every"]
     overrides = {"vocab_size": task.vocab_size, "attention_window": opts["window"], **opts["model"]}
     if opts["init"] is not None:
@@ -167,7 +181,8 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
         sample_tokens=0, data=f"synthetic:{task.name}", compile=opts["compile"], precision=opts["precision"],
         compile_fallback=opts["compile_fallback"],
     )
-    source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"])
+    source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"],
+                        prefix_stream=opts.get("prefix_stream", False))
     start = time.perf_counter()
     trainer = Trainer(cfg, source=source)
     write_json(out / TASK_FILE, task.to_dict())  # from the start: a checkpoint of the run is evaluable (synth eval)

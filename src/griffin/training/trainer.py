@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from griffin.data.chat import TEMPLATE_FILE
@@ -40,7 +41,7 @@ from griffin.finetune.lora import read_lora, write_lora
 from griffin.inference import generate
 from griffin.interop import DTYPES, CheckpointError
 from griffin.interop.adapters import LoraSettings
-from griffin.io import atomic_write
+from griffin.io import atomic_write, write_safetensors
 from griffin.model import CausalLM, LanguageModelLoss
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.parallel import ParallelDims, shard_sequence
@@ -113,6 +114,7 @@ class StopRequest:
 
 #: ``resume`` values that take the newest intact checkpoint in OUT/checkpoints.
 RESUME_NEWEST = ("auto", "if-any")
+SOURCE_STATE = "source_state.safetensors"  # a batch source's tensors in a checkpoint (its state_tensors())
 
 
 def resume_checkpoint(out: str | Path, resume: str) -> Path | None:
@@ -490,6 +492,8 @@ class Trainer:
                 loader_state = translate_loader_state(loader_state, cfg.batch_size, self.dist.dp_size,
                                                       self.loader.windows_per_rank)
             self.loader.load_state_dict(loader_state)
+            if (Path(resume_from) / SOURCE_STATE).is_file() and hasattr(self.loader, "load_state_tensors"):
+                self.loader.load_state_tensors(load_file(str(Path(resume_from) / SOURCE_STATE)))
         self.resumed_from = resume_from
         self.log = JsonLog(self.out / "log.jsonl", self.step if resume_from else None) if self.dist.is_main else None
         self.writer = self._tensorboard() if self.dist.is_main else None
@@ -612,7 +616,10 @@ class Trainer:
         positions = self._positions(batch)
         targets = self._shard(batch.targets).to(self.device, non_blocking=True)
         with self._autocast():
-            loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk)
+            # a source whose rows continue a state (griffin.synth.source's prefix stream) gives the cache they do
+            cache = self.source.initial_cache(self.model) if hasattr(self.source, "initial_cache") else None
+            kwargs = {} if cache is None else {"cache": cache}
+            loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk, **kwargs)
         return loss, (targets != IGNORE_INDEX).sum()
 
     def _check_compiles(self) -> None:
@@ -734,6 +741,17 @@ class Trainer:
             extra[name] = self.tokenizer_file
         if self.examples and (self.data_dir / TEMPLATE_FILE).is_file():  # the chats' template, for griffin serve
             extra[TEMPLATE_FILE] = self.data_dir / TEMPLATE_FILE
+        source_tensors = self.source.state_tensors() if hasattr(self.source, "state_tensors") else {}
+        if source_tensors:  # (a source trains in one process) copied into the checkpoint, then removed
+            extra[SOURCE_STATE] = self.out / f".{SOURCE_STATE}"
+            write_safetensors(extra[SOURCE_STATE], source_tensors, {"library": "griffin"})
+        try:
+            return self._save(state, extra)
+        finally:
+            if SOURCE_STATE in extra:
+                extra[SOURCE_STATE].unlink(missing_ok=True)
+
+    def _save(self, state: dict[str, Any], extra: dict[str, Path]) -> Path:
         path = step_dir(self.ckpt_root, self.step)
         if self.layout is not None:  # every rank writes its shards; the step appears once all have
             self.layout.save(path, self.model, self.optimizer, {**state, "step": self.step}, extra)
