@@ -63,3 +63,60 @@ def test_what_cannot_continue_a_stream_is_refused(tmp_path):
     plain = TaskSource(InductionHeads(seq_len=12), 2).state_dict()
     with pytest.raises(ValueError, match="trained without the prefix stream, this run with it"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True).load_state_dict(plain)
+
+
+@pytest.mark.parametrize("family", ["hawk", "griffin"])
+def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, gen):
+    """``stream_recall``: the second half of the rows ask, at the end of filler, for the answer after the last trigger
+    their stream took in, for 1 to K steps, then start a new document with the next one; each row's prediction is
+    that of one sequence: the stream's tokens since that document began, then the row's own (float64)."""
+    torch.manual_seed(int(torch.randint(0, 2**20, (1,), generator=gen)))
+    seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+    task, model = InductionHeads(seq_len=12), model_of(family)
+    source = TaskSource(task, 4, seed=seed, eval_sequences=2, prefix_stream=True, stream_recall=3)
+    taken: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    forward = model.forward
+
+    def spy(ids, positions=None, **kwargs):
+        if kwargs.get("logits_to_keep") == 1:  # the stream's advance
+            taken.append((ids.clone(), None if positions is None else positions.clone()))
+        return forward(ids, positions, **kwargs)
+
+    model.forward = spy
+    documents = {row: torch.empty(0, dtype=torch.long) for row in range(4)}
+    restarts = 0
+    for _ in range(10):
+        batch = next(source)
+        cache = source.initial_cache(model)
+        ids, positions = taken[-1]
+        for row in range(4):
+            new = positions is not None and positions[row, 0] == 0
+            restarts += int(new and row >= 2)
+            documents[row] = ids[row] if new else torch.cat([documents[row], ids[row]])
+        with torch.no_grad():
+            logits = model(batch.input_ids, cache=cache)[:, -1]
+            for row in (2, 3):
+                query = batch.input_ids[row]
+                assert (query[:-1] != InductionHeads.TRIGGER).all() and query[-1] == InductionHeads.TRIGGER
+                doc = documents[row]
+                last = int((doc == InductionHeads.TRIGGER).nonzero().max())
+                assert batch.targets[row, -1] == doc[last + 1] and (batch.targets[row, :-1] == IGNORE_INDEX).all()
+                whole = model(torch.cat([doc, query])[None])[0, -1]
+                torch.testing.assert_close(logits[row], whole)
+        for row in (0, 1):  # the task's own sequences, on a stream without a trigger
+            assert not (documents[row] == InductionHeads.TRIGGER).any()
+            assert (batch.input_ids[row, :-1] == InductionHeads.TRIGGER).sum() == 1
+    assert restarts >= 2  # episodes ended and new documents began
+
+
+def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
+    with pytest.raises(ValueError, match="add --prefix-stream"):
+        train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "h", stream_recall=2, **QUICK)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="stream_recall"):
+            TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=bad)
+    with pytest.raises(ValueError, match="in half of a batch of at least 2"):
+        TaskSource(InductionHeads(seq_len=12), 1, prefix_stream=True, stream_recall=2)
+    saved = TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2).state_dict()
+    with pytest.raises(ValueError, match="up to 2 steps back, this run 3"):
+        TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=3).load_state_dict(saved)

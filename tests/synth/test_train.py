@@ -44,12 +44,14 @@ def test_a_few_steps_of_every_task_and_family(name, family, tmp_path, gen):
     assert [r["accuracy"] for r in evals if r["kind"] == "eval"] == [r["accuracy"] for r in result.history]
 
 
-@pytest.mark.parametrize("prefix_stream", [False, True])
-def test_resume_continues_the_task_stream_exactly(tmp_path, gen, prefix_stream):
+@pytest.mark.parametrize("stream", [{}, {"prefix_stream": True}, {"prefix_stream": True, "stream_recall": 2}],
+                         ids=["plain", "prefix_stream", "stream_recall"])
+def test_resume_continues_the_task_stream_exactly(tmp_path, gen, stream):
     """(With the prefix stream, its cache is in the checkpoint: without it the resumed steps would start from another
-    state, and the weights would differ.)"""
+    state, and the weights would differ; with recall, the episodes' answers and steps left too.)"""
     task, seed = TASKS["induction_heads"], seed_of(gen)
-    opts = dict(QUICK, steps=4, ckpt_every=2, eval_every=2, seed=seed, prefix_stream=prefix_stream)
+    prefix_stream = bool(stream)
+    opts = dict(QUICK, steps=4, ckpt_every=2, eval_every=2, seed=seed, **stream)
     whole = train_task(task, "griffin", tmp_path / "whole", **opts)
     part = tmp_path / "part"
     train_task(task, "griffin", part, **opts)

@@ -74,6 +74,9 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    help="induction heads, Hawk and Griffin: each training sequence continues a stream of random "
                         "tokens (no trigger) advanced --seq-len tokens a step without gradients, so that training "
                         "meets the states long prefixes reach (docs/experiments.md)")
+    g.add_argument("--stream-recall", type=int, default=0, metavar="K",
+                   help="with --prefix-stream: half the rows ask for an answer their stream took in 1 to K steps "
+                        "before (up to K x --seq-len tokens back; the gradient stops at the stream's state)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -104,7 +107,7 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 eval_sequences=args.eval_sequences, window=args.window, model=model,
                 stop_accuracy=args.stop_accuracy, compile=args.compile, precision=args.precision,
                 compile_fallback=args.compile_fallback, init=getattr(args, "init", None),
-                prefix_stream=args.prefix_stream)
+                prefix_stream=args.prefix_stream, stream_recall=args.stream_recall)
 
 
 def _stopped(stopped: Exception, hint: str) -> int:

@@ -8,7 +8,15 @@ final state of another). Here each row of each batch continues a stream of the t
 random tokens, no trigger), which advances T tokens a step without gradients: the recurrent blocks start every
 training sequence from a state that a prefix of any length reached, as an evaluation sequence far longer than T
 presents it, while the answer stays within T tokens of its query. The stream's cache is saved in the checkpoints
-(``source_state.safetensors``), so that a run resumes exactly."""
+(``source_state.safetensors``), so that a run resumes exactly.
+
+**Recall from the stream** (``stream_recall`` K; ``griffin synth --stream-recall K``, with the prefix stream). The
+answers above are never more than T tokens back, so nothing asks the state to keep one longer. With K, the second half
+of the rows recall from the stream instead: an episode writes a trigger and its answer into the row's stream (the
+stream starts a new document there), then for k steps (k drawn log-uniformly from 1 ... K) the row's training sequence
+is filler ending in the trigger, and its target that answer, up to K T tokens back. The gradient stops at the stream's
+state (truncated backpropagation through time), so what is learned is to keep the answer through the T tokens of each
+step, whatever state it arrives in, and to read it at the trigger."""
 
 from __future__ import annotations
 
@@ -21,8 +29,9 @@ from torch import Tensor
 
 from griffin.data import Batch
 from griffin.model import Cache, CausalLM
+from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.synth.evaluate import EVAL_SEED, held_out, score
-from griffin.synth.tasks import Task
+from griffin.synth.tasks import InductionHeads, Task
 
 
 class TaskSource:
@@ -33,12 +42,25 @@ class TaskSource:
     whole_rows = True
 
     def __init__(self, task: Task, batch_size: int, seed: int = 0, eval_sequences: int = 256,
-                 eval_batch_size: int = 32, eval_seed: int = EVAL_SEED, prefix_stream: bool = False) -> None:
+                 eval_batch_size: int = 32, eval_seed: int = EVAL_SEED, prefix_stream: bool = False,
+                 stream_recall: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")
+        if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
+            raise ValueError(f"stream_recall={stream_recall!r} must be a non-negative integer (steps back)")
+        if stream_recall and (not prefix_stream or not isinstance(task, InductionHeads) or batch_size < 2):
+            raise ValueError(f"--stream-recall {stream_recall}: recalls from the prefix stream of induction heads, "
+                             f"in half of a batch of at least 2 (got {task.name}, prefix stream {bool(prefix_stream)}, "
+                             f"batch {batch_size})")
         self.task, self.batch_size, self.seed = task, batch_size, seed
         self.index = 0
         self.prefix_stream = bool(prefix_stream)
+        self.stream_recall = stream_recall
+        self._recall_rows = range(batch_size - batch_size // 2, batch_size) if stream_recall else range(0)
+        self._answer = [-1] * batch_size  # the answer each recall row's stream holds
+        self._left = [0] * batch_size  # the steps it is still asked for
+        self._write: dict[int, tuple[int, int]] = {}  # row -> (position, answer) the stream takes in at this step
+        self._restart: list[int] = []  # rows whose stream starts a new document at this step
         if self.prefix_stream:
             task.filler(1, 1, np.random.default_rng(0))  # a task without a filler stream is refused here
         self._stream: Cache | None = None
@@ -57,6 +79,8 @@ class TaskSource:
     def __next__(self) -> Batch:
         start = time.perf_counter()
         batch = self.task.sample(self.batch_size, np.random.default_rng([self.seed, 0, self.index]))
+        if self.stream_recall:
+            self._recall(batch, np.random.default_rng([self.seed, 3, self.index]))
         self.index += 1
         self.generate_seconds += time.perf_counter() - start
         return batch
@@ -67,6 +91,9 @@ class TaskSource:
             stream = self._stream
             state["prefix_stream"] = ({"length": stream.length, "started": stream.started} if stream is not None
                                       else self._stream_counters)
+        if self.stream_recall:
+            state["stream_recall"] = {"steps": self.stream_recall, "answer": list(self._answer),
+                                      "left": list(self._left)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -82,6 +109,12 @@ class TaskSource:
             raise ValueError(f"the checkpoint was trained {'with' if 'prefix_stream' in state else 'without'} the "
                              f"prefix stream, this run {'with' if self.prefix_stream else 'without'} it")
         self._stream, self._stream_counters = None, dict(state.get("prefix_stream") or {})
+        recall = state.get("stream_recall") or {"steps": 0}
+        if recall["steps"] != self.stream_recall:
+            raise ValueError(f"the checkpoint recalled from the stream up to {recall['steps']} steps back, this run "
+                             f"{self.stream_recall} (0: none)")
+        if self.stream_recall:
+            self._answer, self._left = [int(a) for a in recall["answer"]], [int(k) for k in recall["left"]]
 
     def state_tensors(self) -> dict[str, Tensor]:
         """The prefix stream's cache (saved beside :meth:`state_dict` in every checkpoint; empty without one)."""
@@ -103,10 +136,37 @@ class TaskSource:
         if self._stream is None:
             self._stream = self._new_stream(model)
         rng = np.random.default_rng([self.seed, 1, self.index - 1])
-        tokens = torch.from_numpy(self.task.filler(self.batch_size, self.task.seq_len, rng)).to(model.device)
+        T = self.task.seq_len
+        tokens = self.task.filler(self.batch_size, T, rng)
+        for row, (p, answer) in self._write.items():
+            tokens[row, p], tokens[row, p + 1] = InductionHeads.TRIGGER, answer
+        positions = None  # each row continues its document, but those that start a new one (position 0)
+        if self._restart:
+            positions = self._stream.position[:, None].cpu() + torch.arange(T)
+            positions[self._restart] = torch.arange(T)
+            positions = positions.to(model.device)
         with torch.no_grad():
-            model(tokens, cache=self._stream, logits_to_keep=1)
+            model(torch.from_numpy(tokens).to(model.device), positions, cache=self._stream, logits_to_keep=1)
         return self._stream.copy()
+
+    def _recall(self, batch: Batch, rng: np.random.Generator) -> None:
+        """Make the recall rows of ``batch`` ask for the answers their streams hold; start an episode (written into
+        the stream at this step, as a new document) on each row whose last one ended."""
+        T, V, K = self.task.seq_len, self.task.vocab_size, self.stream_recall
+        self._write, self._restart = {}, []
+        for row in self._recall_rows:
+            if self._left[row] == 0:
+                if self._answer[row] >= 0:
+                    self._restart.append(row)
+                self._answer[row] = int(rng.integers(1, V))
+                self._write[row] = (int(rng.integers(0, T - 1)), self._answer[row])
+                self._left[row] = min(K, int(np.exp(rng.uniform(0.0, np.log(K + 1)))))
+            ids = self.task.filler(1, T, rng)[0]
+            ids[-1] = InductionHeads.TRIGGER
+            batch.input_ids[row] = torch.from_numpy(ids)
+            batch.targets[row] = IGNORE_INDEX
+            batch.targets[row, -1] = self._answer[row]
+            self._left[row] -= 1
 
     def _new_stream(self, model: CausalLM) -> Cache:
         stream = model.init_cache(self.batch_size)
