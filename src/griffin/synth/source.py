@@ -129,8 +129,9 @@ class TaskSource:
 
     def initial_cache(self, model: CausalLM) -> Cache | None:
         """The cache the rows of the batch just drawn continue: with ``prefix_stream``, a copy of the stream's after it
-        advanced ``seq_len`` more filler tokens (drawn from the batch index; no gradients, in the caller's autocast);
-        None without (each row starts from an empty state)."""
+        advanced ``seq_len`` more filler tokens (drawn from the batch index; with ``stream_recall``, the trigger and
+        answer of each episode begun at this batch written in, as a new document; no gradients, in the caller's
+        autocast); None without (each row starts from an empty state)."""
         if not self.prefix_stream:
             return None
         if self._stream is None:
