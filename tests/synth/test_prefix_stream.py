@@ -120,3 +120,25 @@ def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
     saved = TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2).state_dict()
     with pytest.raises(ValueError, match="up to 2 steps back, this run 3"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=3).load_state_dict(saved)
+
+
+def test_batches_drawn_ahead_are_continued_in_their_own_order(gen):
+    """A trainer draws every micro-batch of a step before the first forward (grad_accum): each batch's cache is that
+    of its own advance of the stream (its filler, its episodes' writes and restarts), as when drawn one at a time."""
+    torch.manual_seed(int(torch.randint(0, 2**20, (1,), generator=gen)))
+    seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+    model = model_of("hawk")
+    one, ahead = (TaskSource(InductionHeads(seq_len=12), 4, seed=seed, eval_sequences=2, prefix_stream=True,
+                             stream_recall=2) for _ in range(2))
+    for _ in range(4):  # pairs of micro-batches
+        expected = []
+        for _ in range(2):
+            batch = next(one)
+            expected.append((batch, one.initial_cache(model)))
+        drawn = [next(ahead), next(ahead)]
+        for (batch, cache), got in zip(expected, drawn, strict=True):
+            assert torch.equal(batch.input_ids, got.input_ids) and torch.equal(batch.targets, got.targets)
+            for name, t in ahead.initial_cache(model).tensors().items():
+                torch.testing.assert_close(t, cache.tensors()[name], msg=name)
+    with pytest.raises(RuntimeError, match="draw one first"):
+        ahead.initial_cache(model)

@@ -21,6 +21,7 @@ step, whatever state it arrives in, and to read it at the trigger."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -59,8 +60,9 @@ class TaskSource:
         self._recall_rows = range(batch_size - batch_size // 2, batch_size) if stream_recall else range(0)
         self._answer = [-1] * batch_size  # the answer each recall row's stream holds
         self._left = [0] * batch_size  # the steps it is still asked for
-        self._write: dict[int, tuple[int, int]] = {}  # row -> (position, answer) the stream takes in at this step
-        self._restart: list[int] = []  # rows whose stream starts a new document at this step
+        # per batch drawn and not yet continued (a trainer draws every micro-batch of a step first): its index, the
+        # (position, answer) each recall row's stream takes in, and the rows whose stream starts a new document
+        self._advances: deque[tuple[int, dict[int, tuple[int, int]], list[int]]] = deque()
         if self.prefix_stream:
             task.filler(1, 1, np.random.default_rng(0))  # a task without a filler stream is refused here
         self._stream: Cache | None = None
@@ -79,8 +81,9 @@ class TaskSource:
     def __next__(self) -> Batch:
         start = time.perf_counter()
         batch = self.task.sample(self.batch_size, np.random.default_rng([self.seed, 0, self.index]))
-        if self.stream_recall:
-            self._recall(batch, np.random.default_rng([self.seed, 3, self.index]))
+        if self.prefix_stream:
+            write, restart = self._recall(batch, np.random.default_rng([self.seed, 3, self.index]))
+            self._advances.append((self.index, write, restart))
         self.index += 1
         self.generate_seconds += time.perf_counter() - start
         return batch
@@ -109,6 +112,7 @@ class TaskSource:
             raise ValueError(f"the checkpoint was trained {'with' if 'prefix_stream' in state else 'without'} the "
                              f"prefix stream, this run {'with' if self.prefix_stream else 'without'} it")
         self._stream, self._stream_counters = None, dict(state.get("prefix_stream") or {})
+        self._advances.clear()
         recall = state.get("stream_recall") or {"steps": 0}
         if recall["steps"] != self.stream_recall:
             raise ValueError(f"the checkpoint recalled from the stream up to {recall['steps']} steps back, this run "
@@ -136,31 +140,34 @@ class TaskSource:
             return None
         if self._stream is None:
             self._stream = self._new_stream(model)
-        rng = np.random.default_rng([self.seed, 1, self.index - 1])
+        if not self._advances:
+            raise RuntimeError("initial_cache: every batch drawn has been continued already (draw one first)")
+        index, write, restart = self._advances.popleft()
         T = self.task.seq_len
-        tokens = self.task.filler(self.batch_size, T, rng)
-        for row, (p, answer) in self._write.items():
+        tokens = self.task.filler(self.batch_size, T, np.random.default_rng([self.seed, 1, index]))
+        for row, (p, answer) in write.items():
             tokens[row, p], tokens[row, p + 1] = InductionHeads.TRIGGER, answer
         positions = None  # each row continues its document, but those that start a new one (position 0)
-        if self._restart:
+        if restart:
             positions = self._stream.position[:, None].cpu() + torch.arange(T)
-            positions[self._restart] = torch.arange(T)
+            positions[restart] = torch.arange(T)
             positions = positions.to(model.device)
         with torch.no_grad():
             model(torch.from_numpy(tokens).to(model.device), positions, cache=self._stream, logits_to_keep=1)
         return self._stream.copy()
 
-    def _recall(self, batch: Batch, rng: np.random.Generator) -> None:
-        """Make the recall rows of ``batch`` ask for the answers their streams hold; start an episode (written into
-        the stream at this step, as a new document) on each row whose last one ended."""
+    def _recall(self, batch: Batch, rng: np.random.Generator) -> tuple[dict[int, tuple[int, int]], list[int]]:
+        """Make the recall rows of ``batch`` ask for the answers their streams hold; start an episode on each row
+        whose last one ended. Returns what the stream's advance for this batch writes ({row: (position, answer)})
+        and the rows it starts as new documents (none without ``stream_recall``)."""
         T, V, K = self.task.seq_len, self.task.vocab_size, self.stream_recall
-        self._write, self._restart = {}, []
+        write, restart = {}, []
         for row in self._recall_rows:
             if self._left[row] == 0:
                 if self._answer[row] >= 0:
-                    self._restart.append(row)
+                    restart.append(row)
                 self._answer[row] = int(rng.integers(1, V))
-                self._write[row] = (int(rng.integers(0, T - 1)), self._answer[row])
+                write[row] = (int(rng.integers(0, T - 1)), self._answer[row])
                 self._left[row] = min(K, int(np.exp(rng.uniform(0.0, np.log(K + 1)))))
             ids = self.task.filler(1, T, rng)[0]
             ids[-1] = InductionHeads.TRIGGER
@@ -168,6 +175,7 @@ class TaskSource:
             batch.targets[row] = IGNORE_INDEX
             batch.targets[row, -1] = self._answer[row]
             self._left[row] -= 1
+        return write, restart
 
     def _new_stream(self, model: CausalLM) -> Cache:
         stream = model.init_cache(self.batch_size)
