@@ -11,6 +11,7 @@ from griffin import CausalLM, ModelConfig
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.synth import InductionHeads, SelectiveCopying, TaskSource, train_task
 from griffin.synth.compare import compare
+from griffin.synth.source import EPISODES
 
 QUICK = dict(steps=2, batch_size=2, eval_every=1, eval_sequences=4, progress=False, tensorboard=False, window=8)
 
@@ -65,15 +66,19 @@ def test_what_cannot_continue_a_stream_is_refused(tmp_path):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True).load_state_dict(plain)
 
 
+@pytest.mark.parametrize("episodes", EPISODES)
 @pytest.mark.parametrize("family", ["hawk", "griffin"])
-def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, gen):
+def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, episodes, gen):
     """``stream_recall``: the second half of the rows ask, at the end of filler, for the answer after the last trigger
-    their stream took in, for 1 to K steps, then start a new document with the next one; each row's prediction is
-    that of one sequence: the stream's tokens since that document began, then the row's own (float64)."""
+    their stream took in, for 1 to K steps; each row's prediction is that of one sequence: the stream's tokens since
+    its document began, then the row's own (float64). Where the next episode writes (``recall_episodes``): into a new
+    document; into a new document after filler (meanwhile the row trains on the task's own sequence); or into the
+    stream as it is, over the earlier answers."""
     torch.manual_seed(int(torch.randint(0, 2**20, (1,), generator=gen)))
     seed = int(torch.randint(0, 2**20, (1,), generator=gen))
-    task, model = InductionHeads(seq_len=12), model_of(family)
-    source = TaskSource(task, 4, seed=seed, eval_sequences=2, prefix_stream=True, stream_recall=3)
+    task, model, T = InductionHeads(seq_len=12), model_of(family), 12
+    source = TaskSource(task, 4, seed=seed, eval_sequences=2, prefix_stream=True, stream_recall=3,
+                        recall_episodes=episodes)
     taken: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     forward = model.forward
 
@@ -84,29 +89,44 @@ def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, gen):
 
     model.forward = spy
     documents = {row: torch.empty(0, dtype=torch.long) for row in range(4)}
-    restarts = 0
-    for _ in range(10):
+    restarts, written_after, most_triggers = 0, 0, 0
+    lead = {row: 0 for row in range(4)}  # the steps a row trained on the task's own sequence since its restart
+    for _ in range(30):
         batch = next(source)
         cache = source.initial_cache(model)
         ids, positions = taken[-1]
         for row in range(4):
             new = positions is not None and positions[row, 0] == 0
             restarts += int(new and row >= 2)
+            lead[row] = 0 if new else lead[row]
             documents[row] = ids[row] if new else torch.cat([documents[row], ids[row]])
         with torch.no_grad():
             logits = model(batch.input_ids, cache=cache)[:, -1]
             for row in (2, 3):
-                query = batch.input_ids[row]
-                assert (query[:-1] != InductionHeads.TRIGGER).all() and query[-1] == InductionHeads.TRIGGER
-                doc = documents[row]
-                last = int((doc == InductionHeads.TRIGGER).nonzero().max())
+                query, doc = batch.input_ids[row], documents[row]
+                triggers = (doc == InductionHeads.TRIGGER).nonzero()
+                if (query[:-1] == InductionHeads.TRIGGER).any():  # the task's own sequence, before the write
+                    assert episodes == "after-filler" and len(triggers) == 0
+                    lead[row] += 1
+                    continue
+                assert query[-1] == InductionHeads.TRIGGER
+                last = int(triggers.max())
+                if episodes != "continue":  # written in the step after the filler
+                    assert last // T == lead[row]
+                written_after += int(last >= T)
+                most_triggers = max(most_triggers, len(triggers))
                 assert batch.targets[row, -1] == doc[last + 1] and (batch.targets[row, :-1] == IGNORE_INDEX).all()
                 whole = model(torch.cat([doc, query])[None])[0, -1]
                 torch.testing.assert_close(logits[row], whole)
         for row in (0, 1):  # the task's own sequences, on a stream without a trigger
             assert not (documents[row] == InductionHeads.TRIGGER).any()
             assert (batch.input_ids[row, :-1] == InductionHeads.TRIGGER).sum() == 1
-    assert restarts >= 2  # episodes ended and new documents began
+    if episodes == "continue":  # one document, which holds every episode's answer
+        assert restarts == 0 and most_triggers >= 3
+    else:  # episodes ended and new documents began, each with one answer
+        assert restarts >= 2 and most_triggers == 1
+    if episodes == "after-filler":  # some triggers came after a step of filler or more (each of ~24 episodes: 1/2)
+        assert written_after >= 1
 
 
 def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
@@ -120,6 +140,14 @@ def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
     saved = TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2).state_dict()
     with pytest.raises(ValueError, match="up to 2 steps back, this run 3"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=3).load_state_dict(saved)
+    with pytest.raises(ValueError, match="recall episodes were new-document, this run's continue"):
+        TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2,
+                   recall_episodes="continue").load_state_dict(saved)
+    with pytest.raises(ValueError, match="recall_episodes='later': choose one of"):
+        TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2, recall_episodes="later")
+    with pytest.raises(ValueError, match="places the episodes of --stream-recall"):
+        train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "e", prefix_stream=True,
+                   recall_episodes="continue", **QUICK)
 
 
 def test_batches_drawn_ahead_are_continued_in_their_own_order(gen):

@@ -44,11 +44,13 @@ def test_a_few_steps_of_every_task_and_family(name, family, tmp_path, gen):
     assert [r["accuracy"] for r in evals if r["kind"] == "eval"] == [r["accuracy"] for r in result.history]
 
 
-@pytest.mark.parametrize("stream", [{}, {"prefix_stream": True}, {"prefix_stream": True, "stream_recall": 2}],
-                         ids=["plain", "prefix_stream", "stream_recall"])
+@pytest.mark.parametrize("stream", [{}, {"prefix_stream": True}, {"prefix_stream": True, "stream_recall": 2},
+                                    {"prefix_stream": True, "stream_recall": 2, "recall_episodes": "after-filler"}],
+                         ids=["plain", "prefix_stream", "stream_recall", "after_filler"])
 def test_resume_continues_the_task_stream_exactly(tmp_path, gen, stream):
     """(With the prefix stream, its cache is in the checkpoint: without it the resumed steps would start from another
-    state, and the weights would differ; with recall, the episodes' answers and steps left too.)"""
+    state, and the weights would differ; with recall, the episodes' answers and steps left, and the filler steps
+    before the next write.)"""
     task, seed = TASKS["induction_heads"], seed_of(gen)
     prefix_stream = bool(stream)
     opts = dict(QUICK, steps=4, ckpt_every=2, eval_every=2, seed=seed, **stream)

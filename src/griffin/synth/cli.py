@@ -11,6 +11,7 @@ from typing import Any
 
 from griffin.arguments import renamed
 from griffin.config import FAMILIES
+from griffin.synth.source import EPISODES
 from griffin.synth.tasks import TASKS, make_task
 from griffin.training.config import PRECISIONS
 
@@ -77,6 +78,10 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-recall", type=int, default=0, metavar="K",
                    help="with --prefix-stream: half the rows ask for an answer their stream took in 1 to K steps "
                         "before (up to K x --seq-len tokens back; the gradient stops at the stream's state)")
+    g.add_argument("--recall-episodes", choices=EPISODES, default=EPISODES[0],
+                   help="with --stream-recall, where an episode writes its answer: new-document (into an empty "
+                        "state), after-filler (a new document, after 0 to K-1 steps of filler), continue (into the "
+                        "stream as it is, over the earlier episodes' answers)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -107,7 +112,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 eval_sequences=args.eval_sequences, window=args.window, model=model,
                 stop_accuracy=args.stop_accuracy, compile=args.compile, precision=args.precision,
                 compile_fallback=args.compile_fallback, init=getattr(args, "init", None),
-                prefix_stream=args.prefix_stream, stream_recall=args.stream_recall)
+                prefix_stream=args.prefix_stream, stream_recall=args.stream_recall,
+                recall_episodes=args.recall_episodes)
 
 
 def _stopped(stopped: Exception, hint: str) -> int:

@@ -16,7 +16,14 @@ of the rows recall from the stream instead: an episode writes a trigger and its 
 stream starts a new document there), then for k steps (k drawn log-uniformly from 1 ... K) the row's training sequence
 is filler ending in the trigger, and its target that answer, up to K T tokens back. The gradient stops at the stream's
 state (truncated backpropagation through time), so what is learned is to keep the answer through the T tokens of each
-step, whatever state it arrives in, and to read it at the trigger."""
+step, whatever state it arrives in, and to read it at the trigger.
+
+Where an episode writes its answer (``recall_episodes``; ``griffin synth --recall-episodes``): ``new-document`` (the
+default) starts the row's stream afresh, so the trigger meets an empty state; ``after-filler`` starts it afresh and
+writes the trigger after a stretch of filler drawn like k (0 ... K - 1 steps; the row trains on the task's own
+sequence meanwhile), so that it meets the states long prefixes reach, as an evaluation sequence's trigger far into it
+does; ``continue`` writes into the stream as it is, which still holds the earlier episodes' answers, and asks for the
+newest."""
 
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.synth.evaluate import EVAL_SEED, held_out, score
 from griffin.synth.tasks import InductionHeads, Task
 
+EPISODES = ("new-document", "after-filler", "continue")  # where a recall episode writes (the module's docstring)
+
 
 class TaskSource:
     """Batch ``i`` of the training stream is drawn from ``np.random.default_rng([seed, 0, i])``, so the stream is
@@ -44,7 +53,7 @@ class TaskSource:
 
     def __init__(self, task: Task, batch_size: int, seed: int = 0, eval_sequences: int = 256,
                  eval_batch_size: int = 32, eval_seed: int = EVAL_SEED, prefix_stream: bool = False,
-                 stream_recall: int = 0) -> None:
+                 stream_recall: int = 0, recall_episodes: str = "new-document") -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")
         if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
@@ -53,6 +62,10 @@ class TaskSource:
             raise ValueError(f"--stream-recall {stream_recall}: recalls from the prefix stream of induction heads, "
                              f"in half of a batch of at least 2 (got {task.name}, prefix stream {bool(prefix_stream)}, "
                              f"batch {batch_size})")
+        if recall_episodes not in EPISODES:
+            raise ValueError(f"recall_episodes={recall_episodes!r}: choose one of {', '.join(EPISODES)}")
+        if recall_episodes != EPISODES[0] and not stream_recall:
+            raise ValueError(f"recall_episodes={recall_episodes!r} places the episodes of --stream-recall: set it")
         self.task, self.batch_size, self.seed = task, batch_size, seed
         self.index = 0
         self.prefix_stream = bool(prefix_stream)
@@ -60,6 +73,8 @@ class TaskSource:
         self._recall_rows = range(batch_size - batch_size // 2, batch_size) if stream_recall else range(0)
         self._answer = [-1] * batch_size  # the answer each recall row's stream holds
         self._left = [0] * batch_size  # the steps it is still asked for
+        self.recall_episodes = recall_episodes
+        self._lead = [-1] * batch_size  # after-filler: the filler steps left before the write (-1: none drawn)
         # per batch drawn and not yet continued (a trainer draws every micro-batch of a step first): its index, the
         # (position, answer) each recall row's stream takes in, and the rows whose stream starts a new document
         self._advances: deque[tuple[int, dict[int, tuple[int, int]], list[int]]] = deque()
@@ -97,6 +112,8 @@ class TaskSource:
         if self.stream_recall:
             state["stream_recall"] = {"steps": self.stream_recall, "answer": list(self._answer),
                                       "left": list(self._left)}
+            if self.recall_episodes != EPISODES[0]:  # (checkpoints of the default read as before)
+                state["stream_recall"].update(episodes=self.recall_episodes, lead=list(self._lead))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -117,8 +134,12 @@ class TaskSource:
         if recall["steps"] != self.stream_recall:
             raise ValueError(f"the checkpoint recalled from the stream up to {recall['steps']} steps back, this run "
                              f"{self.stream_recall} (0: none)")
+        episodes = recall.get("episodes", EPISODES[0])
+        if self.stream_recall and episodes != self.recall_episodes:
+            raise ValueError(f"the checkpoint's recall episodes were {episodes}, this run's {self.recall_episodes}")
         if self.stream_recall:
             self._answer, self._left = [int(a) for a in recall["answer"]], [int(k) for k in recall["left"]]
+            self._lead = [int(j) for j in recall.get("lead", [-1] * self.batch_size)]
 
     def state_tensors(self) -> dict[str, Tensor]:
         """The prefix stream's cache (saved beside :meth:`state_dict` in every checkpoint; empty without one)."""
@@ -160,15 +181,22 @@ class TaskSource:
         """Make the recall rows of ``batch`` ask for the answers their streams hold; start an episode on each row
         whose last one ended. Returns what the stream's advance for this batch writes ({row: (position, answer)})
         and the rows it starts as new documents (none without ``stream_recall``)."""
-        T, V, K = self.task.seq_len, self.task.vocab_size, self.stream_recall
+        T, V = self.task.seq_len, self.task.vocab_size
         write, restart = {}, []
         for row in self._recall_rows:
-            if self._left[row] == 0:
-                if self._answer[row] >= 0:
+            if self._left[row] == 0:  # the row's episode ended (or none began): begin the next
+                if self._answer[row] >= 0 and self.recall_episodes != "continue":
                     restart.append(row)
+                self._answer[row] = -1
+                if self.recall_episodes == "after-filler" and self._lead[row] < 0:
+                    self._lead[row] = self._steps(rng) - 1
+                if self._lead[row] > 0:  # filler before the write: the row trains on the task's sequence
+                    self._lead[row] -= 1
+                    continue
+                self._lead[row] = -1
                 self._answer[row] = int(rng.integers(1, V))
                 write[row] = (int(rng.integers(0, T - 1)), self._answer[row])
-                self._left[row] = min(K, int(np.exp(rng.uniform(0.0, np.log(K + 1)))))
+                self._left[row] = self._steps(rng)
             ids = self.task.filler(1, T, rng)[0]
             ids[-1] = InductionHeads.TRIGGER
             batch.input_ids[row] = torch.from_numpy(ids)
@@ -176,6 +204,11 @@ class TaskSource:
             batch.targets[row, -1] = self._answer[row]
             self._left[row] -= 1
         return write, restart
+
+    def _steps(self, rng: np.random.Generator) -> int:
+        """k, log-uniform in 1 ... K."""
+        K = self.stream_recall
+        return min(K, int(np.exp(rng.uniform(0.0, np.log(K + 1)))))
 
     def _new_stream(self, model: CausalLM) -> Cache:
         stream = model.init_cache(self.batch_size)
