@@ -11,7 +11,7 @@ from griffin import CausalLM, ModelConfig
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.synth import InductionHeads, SelectiveCopying, TaskSource, train_task
 from griffin.synth.compare import compare
-from griffin.synth.source import EPISODES
+from griffin.synth.source import DRAWS, EPISODES
 
 QUICK = dict(steps=2, batch_size=2, eval_every=1, eval_sequences=4, progress=False, tensorboard=False, window=8)
 
@@ -129,6 +129,26 @@ def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, episodes, g
         assert written_after >= 1
 
 
+@pytest.mark.parametrize("draw", DRAWS)
+def test_recall_episodes_last_the_steps_drawn(draw, gen):
+    """``recall_draw``: each episode asks for its answer k steps, k in 1 ... K, uniform (mean (K + 1) / 2) or the
+    whole part of a log-uniform draw from [1, K + 1) (P(k >= j) = 1 - ln j / ln(K + 1))."""
+    K, seed = 16, int(torch.randint(0, 2**20, (1,), generator=gen))
+    source = TaskSource(InductionHeads(seq_len=8), 4, seed=seed, eval_sequences=2, prefix_stream=True,
+                        stream_recall=K, recall_draw=draw)
+    left, lengths = [0, 0], []
+    for _ in range(1000):
+        next(source)
+        now = source.state_dict()["stream_recall"]["left"][2:]
+        lengths += [k + 1 for before, k in zip(left, now, strict=True) if before == 0]
+        left = now
+    lengths = np.array(lengths)
+    assert lengths.min() == 1 and lengths.max() == K
+    j = np.arange(1, K + 1)
+    expected = (K + 1) / 2 if draw == "uniform" else float((1 - np.log(j) / np.log(K + 1)).sum())
+    assert abs(lengths.mean() - expected) < 5 * lengths.std() / np.sqrt(len(lengths))
+
+
 def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
     with pytest.raises(ValueError, match="add --prefix-stream"):
         train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "h", stream_recall=2, **QUICK)
@@ -140,14 +160,20 @@ def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
     saved = TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2).state_dict()
     with pytest.raises(ValueError, match="up to 2 steps back, this run 3"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=3).load_state_dict(saved)
-    with pytest.raises(ValueError, match="recall episodes were new-document, this run's continue"):
+    with pytest.raises(ValueError, match="recall episodes were new-document, their steps log-uniform; this run's "
+                                         "continue, log-uniform"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2,
                    recall_episodes="continue").load_state_dict(saved)
     with pytest.raises(ValueError, match="recall_episodes='later': choose one of"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2, recall_episodes="later")
-    with pytest.raises(ValueError, match="places the episodes of --stream-recall"):
-        train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "e", prefix_stream=True,
-                   recall_episodes="continue", **QUICK)
+    with pytest.raises(ValueError, match="their steps log-uniform; this run's new-document, uniform"):
+        TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2,
+                   recall_draw="uniform").load_state_dict(saved)
+    with pytest.raises(ValueError, match="recall_draw='linear': choose one of"):
+        TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2, recall_draw="linear")
+    for option in ({"recall_episodes": "continue"}, {"recall_draw": "uniform"}):
+        with pytest.raises(ValueError, match="shapes the episodes of --stream-recall"):
+            train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "e", prefix_stream=True, **option, **QUICK)
 
 
 def test_batches_drawn_ahead_are_continued_in_their_own_order(gen):

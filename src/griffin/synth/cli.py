@@ -11,7 +11,7 @@ from typing import Any
 
 from griffin.arguments import renamed
 from griffin.config import FAMILIES
-from griffin.synth.source import EPISODES
+from griffin.synth.source import DRAWS, EPISODES
 from griffin.synth.tasks import TASKS, make_task
 from griffin.training.config import PRECISIONS
 
@@ -82,6 +82,9 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    help="with --stream-recall, where an episode writes its answer: new-document (into an empty "
                         "state), after-filler (a new document, after 0 to K-1 steps of filler), continue (into the "
                         "stream as it is, over the earlier episodes' answers)")
+    g.add_argument("--recall-draw", choices=DRAWS, default=DRAWS[0],
+                   help="with --stream-recall, how each episode's steps k are drawn from 1 to K: log-uniform (most "
+                        "answers near) or uniform (a quarter of the asks from the farthest half)")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bars")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -113,7 +116,7 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 stop_accuracy=args.stop_accuracy, compile=args.compile, precision=args.precision,
                 compile_fallback=args.compile_fallback, init=getattr(args, "init", None),
                 prefix_stream=args.prefix_stream, stream_recall=args.stream_recall,
-                recall_episodes=args.recall_episodes)
+                recall_episodes=args.recall_episodes, recall_draw=args.recall_draw)
 
 
 def _stopped(stopped: Exception, hint: str) -> int:

@@ -13,7 +13,8 @@ presents it, while the answer stays within T tokens of its query. The stream's c
 **Recall from the stream** (``stream_recall`` K; ``griffin synth --stream-recall K``, with the prefix stream). The
 answers above are never more than T tokens back, so nothing asks the state to keep one longer. With K, the second half
 of the rows recall from the stream instead: an episode writes a trigger and its answer into the row's stream (the
-stream starts a new document there), then for k steps (k drawn log-uniformly from 1 ... K) the row's training sequence
+stream starts a new document there), then for k steps (k drawn from 1 ... K, log-uniformly or, with ``recall_draw``
+``uniform``, uniformly: a quarter of the rows' steps then ask from the farthest half) the row's training sequence
 is filler ending in the trigger, and its target that answer, up to K T tokens back. The gradient stops at the stream's
 state (truncated backpropagation through time), so what is learned is to keep the answer through the T tokens of each
 step, whatever state it arrives in, and to read it at the trigger.
@@ -42,6 +43,7 @@ from griffin.synth.evaluate import EVAL_SEED, held_out, score
 from griffin.synth.tasks import InductionHeads, Task
 
 EPISODES = ("new-document", "after-filler", "continue")  # where a recall episode writes (the module's docstring)
+DRAWS = ("log-uniform", "uniform")  # how its steps k are drawn
 
 
 class TaskSource:
@@ -53,7 +55,8 @@ class TaskSource:
 
     def __init__(self, task: Task, batch_size: int, seed: int = 0, eval_sequences: int = 256,
                  eval_batch_size: int = 32, eval_seed: int = EVAL_SEED, prefix_stream: bool = False,
-                 stream_recall: int = 0, recall_episodes: str = "new-document") -> None:
+                 stream_recall: int = 0, recall_episodes: str = "new-document", recall_draw: str = "log-uniform"
+                 ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")
         if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
@@ -64,8 +67,12 @@ class TaskSource:
                              f"batch {batch_size})")
         if recall_episodes not in EPISODES:
             raise ValueError(f"recall_episodes={recall_episodes!r}: choose one of {', '.join(EPISODES)}")
-        if recall_episodes != EPISODES[0] and not stream_recall:
-            raise ValueError(f"recall_episodes={recall_episodes!r} places the episodes of --stream-recall: set it")
+        if recall_draw not in DRAWS:
+            raise ValueError(f"recall_draw={recall_draw!r}: choose one of {', '.join(DRAWS)}")
+        for name, value, default in (("recall_episodes", recall_episodes, EPISODES[0]),
+                                     ("recall_draw", recall_draw, DRAWS[0])):
+            if value != default and not stream_recall:
+                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set it")
         self.task, self.batch_size, self.seed = task, batch_size, seed
         self.index = 0
         self.prefix_stream = bool(prefix_stream)
@@ -73,7 +80,7 @@ class TaskSource:
         self._recall_rows = range(batch_size - batch_size // 2, batch_size) if stream_recall else range(0)
         self._answer = [-1] * batch_size  # the answer each recall row's stream holds
         self._left = [0] * batch_size  # the steps it is still asked for
-        self.recall_episodes = recall_episodes
+        self.recall_episodes, self.recall_draw = recall_episodes, recall_draw
         self._lead = [-1] * batch_size  # after-filler: the filler steps left before the write (-1: none drawn)
         # per batch drawn and not yet continued (a trainer draws every micro-batch of a step first): its index, the
         # (position, answer) each recall row's stream takes in, and the rows whose stream starts a new document
@@ -112,8 +119,10 @@ class TaskSource:
         if self.stream_recall:
             state["stream_recall"] = {"steps": self.stream_recall, "answer": list(self._answer),
                                       "left": list(self._left)}
-            if self.recall_episodes != EPISODES[0]:  # (checkpoints of the default read as before)
+            if self.recall_episodes != EPISODES[0]:  # (checkpoints of the defaults read as before)
                 state["stream_recall"].update(episodes=self.recall_episodes, lead=list(self._lead))
+            if self.recall_draw != DRAWS[0]:
+                state["stream_recall"]["draw"] = self.recall_draw
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,9 +143,10 @@ class TaskSource:
         if recall["steps"] != self.stream_recall:
             raise ValueError(f"the checkpoint recalled from the stream up to {recall['steps']} steps back, this run "
                              f"{self.stream_recall} (0: none)")
-        episodes = recall.get("episodes", EPISODES[0])
-        if self.stream_recall and episodes != self.recall_episodes:
-            raise ValueError(f"the checkpoint's recall episodes were {episodes}, this run's {self.recall_episodes}")
+        episodes, draw = recall.get("episodes", EPISODES[0]), recall.get("draw", DRAWS[0])
+        if self.stream_recall and (episodes, draw) != (self.recall_episodes, self.recall_draw):
+            raise ValueError(f"the checkpoint's recall episodes were {episodes}, their steps {draw}; this run's "
+                             f"{self.recall_episodes}, {self.recall_draw}")
         if self.stream_recall:
             self._answer, self._left = [int(a) for a in recall["answer"]], [int(k) for k in recall["left"]]
             self._lead = [int(j) for j in recall.get("lead", [-1] * self.batch_size)]
@@ -206,8 +216,10 @@ class TaskSource:
         return write, restart
 
     def _steps(self, rng: np.random.Generator) -> int:
-        """k, log-uniform in 1 ... K."""
+        """k in 1 ... K, log-uniform or uniform (``recall_draw``)."""
         K = self.stream_recall
+        if self.recall_draw == "uniform":
+            return int(rng.integers(1, K + 1))
         return min(K, int(np.exp(rng.uniform(0.0, np.log(K + 1)))))
 
     def _new_stream(self, model: CausalLM) -> Cache:
