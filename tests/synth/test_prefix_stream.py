@@ -21,19 +21,20 @@ def model_of(family: str) -> CausalLM:
     return CausalLM(config).double()
 
 
-@pytest.mark.parametrize("family", ["hawk", "griffin"])
-def test_each_batch_continues_the_filler_the_stream_took_in(family, gen):
-    """After three batches the stream holds the state of its 3 x T filler tokens taken in one sequence, and the step's
-    loss (the batch from a copy of that state) is the loss of the batch's targets after all that filler, as one
-    sequence: the state a prefix of 3 T tokens leaves, the answer still within the batch (float64)."""
+@pytest.mark.parametrize("family,advance", [("hawk", None), ("griffin", None), ("hawk", 20)])
+def test_each_batch_continues_the_filler_the_stream_took_in(family, advance, gen):
+    """After three batches the stream holds the state of its 3 x N filler tokens taken in one sequence (N: T, or
+    ``stream_advance``), and the step's loss (the batch from a copy of that state) is the loss of the batch's targets
+    after all that filler, as one sequence: the state a prefix of 3 N tokens leaves, the answer still within the batch
+    (float64)."""
     torch.manual_seed(int(torch.randint(0, 2**20, (1,), generator=gen)))
     seed = int(torch.randint(0, 2**20, (1,), generator=gen))
     task, model = InductionHeads(seq_len=12), model_of(family)
-    source = TaskSource(task, 2, seed=seed, eval_sequences=2, prefix_stream=True)
+    source = TaskSource(task, 2, seed=seed, eval_sequences=2, prefix_stream=True, stream_advance=advance)
     for _ in range(3):
         batch = next(source)
         cache = source.initial_cache(model)
-    filler = torch.from_numpy(np.concatenate([task.filler(2, 12, np.random.default_rng([seed, 1, i]))
+    filler = torch.from_numpy(np.concatenate([task.filler(2, advance or 12, np.random.default_rng([seed, 1, i]))
                                               for i in range(3)], 1))
     assert not (filler == InductionHeads.TRIGGER).any()
     whole = model.init_cache(2)
@@ -66,19 +67,19 @@ def test_what_cannot_continue_a_stream_is_refused(tmp_path):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True).load_state_dict(plain)
 
 
-@pytest.mark.parametrize("episodes", EPISODES)
-@pytest.mark.parametrize("family", ["hawk", "griffin"])
-def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, episodes, gen):
+@pytest.mark.parametrize("family,episodes,advance", [*[(f, e, 12) for f in ("hawk", "griffin") for e in EPISODES],
+                                                     ("hawk", "after-filler", 7), ("hawk", "continue", 20)])
+def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, episodes, advance, gen):
     """``stream_recall``: the second half of the rows ask, at the end of filler, for the answer after the last trigger
     their stream took in, for 1 to K steps; each row's prediction is that of one sequence: the stream's tokens since
     its document began, then the row's own (float64). Where the next episode writes (``recall_episodes``): into a new
     document; into a new document after filler (meanwhile the row trains on the task's own sequence); or into the
-    stream as it is, over the earlier answers."""
+    stream as it is, over the earlier answers. The stream advances T or ``stream_advance`` tokens a step."""
     torch.manual_seed(int(torch.randint(0, 2**20, (1,), generator=gen)))
     seed = int(torch.randint(0, 2**20, (1,), generator=gen))
-    task, model, T = InductionHeads(seq_len=12), model_of(family), 12
+    task, model, N = InductionHeads(seq_len=12), model_of(family), advance
     source = TaskSource(task, 4, seed=seed, eval_sequences=2, prefix_stream=True, stream_recall=3,
-                        recall_episodes=episodes)
+                        recall_episodes=episodes, stream_advance=advance)
     taken: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     forward = model.forward
 
@@ -112,8 +113,8 @@ def test_recall_rows_ask_for_the_answer_their_stream_took_in(family, episodes, g
                 assert query[-1] == InductionHeads.TRIGGER
                 last = int(triggers.max())
                 if episodes != "continue":  # written in the step after the filler
-                    assert last // T == lead[row]
-                written_after += int(last >= T)
+                    assert last // N == lead[row]
+                written_after += int(last >= N)
                 most_triggers = max(most_triggers, len(triggers))
                 assert batch.targets[row, -1] == doc[last + 1] and (batch.targets[row, :-1] == IGNORE_INDEX).all()
                 whole = model(torch.cat([doc, query])[None])[0, -1]
@@ -171,6 +172,16 @@ def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
                    recall_draw="uniform").load_state_dict(saved)
     with pytest.raises(ValueError, match="recall_draw='linear': choose one of"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2, recall_draw="linear")
+    with pytest.raises(ValueError, match="advanced 12 tokens a step, this run's 24"):
+        TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2,
+                   stream_advance=24).load_state_dict(saved)
+    for bad in (1, 2.5, True):
+        with pytest.raises(ValueError, match="stream_advance"):
+            TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_advance=bad)
+    with pytest.raises(ValueError, match="how far the prefix stream advances"):
+        TaskSource(InductionHeads(seq_len=12), 2, stream_advance=24)
+    with pytest.raises(ValueError, match="how far the prefix stream advances: add --prefix-stream"):
+        train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "a", stream_advance=32, **QUICK)
     for option in ({"recall_episodes": "continue"}, {"recall_draw": "uniform"}):
         with pytest.raises(ValueError, match="shapes the episodes of --stream-recall"):
             train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "e", prefix_stream=True, **option, **QUICK)

@@ -45,8 +45,9 @@ def test_a_few_steps_of_every_task_and_family(name, family, tmp_path, gen):
 
 
 @pytest.mark.parametrize("stream", [{}, {"prefix_stream": True}, {"prefix_stream": True, "stream_recall": 2},
-                                    {"prefix_stream": True, "stream_recall": 2, "recall_episodes": "after-filler"}],
-                         ids=["plain", "prefix_stream", "stream_recall", "after_filler"])
+                                    {"prefix_stream": True, "stream_recall": 2, "recall_episodes": "after-filler",
+                                     "recall_draw": "uniform", "stream_advance": 24}],
+                         ids=["plain", "prefix_stream", "stream_recall", "after_filler_uniform_advance"])
 def test_resume_continues_the_task_stream_exactly(tmp_path, gen, stream):
     """(With the prefix stream, its cache is in the checkpoint: without it the resumed steps would start from another
     state, and the weights would differ; with recall, the episodes' answers and steps left, and the filler steps

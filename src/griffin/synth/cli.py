@@ -77,7 +77,10 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                         "meets the states long prefixes reach (docs/experiments.md)")
     g.add_argument("--stream-recall", type=int, default=0, metavar="K",
                    help="with --prefix-stream: half the rows ask for an answer their stream took in 1 to K steps "
-                        "before (up to K x --seq-len tokens back; the gradient stops at the stream's state)")
+                        "before (up to K x --stream-advance tokens back; the gradient stops at the stream's state)")
+    g.add_argument("--stream-advance", type=int, default=None, metavar="N",
+                   help="with --prefix-stream: the filler tokens the stream takes in each step (default --seq-len); "
+                        "--stream-recall K then asks up to K x N tokens back")
     g.add_argument("--recall-episodes", choices=EPISODES, default=EPISODES[0],
                    help="with --stream-recall, where an episode writes its answer: new-document (into an empty "
                         "state), after-filler (a new document, after 0 to K-1 steps of filler), continue (into the "
@@ -116,7 +119,8 @@ def _train_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 stop_accuracy=args.stop_accuracy, compile=args.compile, precision=args.precision,
                 compile_fallback=args.compile_fallback, init=getattr(args, "init", None),
                 prefix_stream=args.prefix_stream, stream_recall=args.stream_recall,
-                recall_episodes=args.recall_episodes, recall_draw=args.recall_draw)
+                recall_episodes=args.recall_episodes, recall_draw=args.recall_draw,
+                stream_advance=args.stream_advance)
 
 
 def _stopped(stopped: Exception, hint: str) -> int:

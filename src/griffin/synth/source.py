@@ -5,7 +5,8 @@ a fixed held-out set for the accuracy curve (Figure 6a), and a position that che
 recurrent model only ever meets the states that T tokens from an empty state reach; beyond T it meets others, and
 fails there (the "unexplored states" of Buitrago Ruiz and Gu, 2025: their State Passing starts each sequence from the
 final state of another). Here each row of each batch continues a stream of the task's filler (for induction heads:
-random tokens, no trigger), which advances T tokens a step without gradients: the recurrent blocks start every
+random tokens, no trigger), which advances T tokens a step without gradients (``stream_advance`` N: N tokens; the
+answers of recall below then reach K N tokens back in K steps): the recurrent blocks start every
 training sequence from a state that a prefix of any length reached, as an evaluation sequence far longer than T
 presents it, while the answer stays within T tokens of its query. The stream's cache is saved in the checkpoints
 (``source_state.safetensors``), so that a run resumes exactly.
@@ -15,7 +16,7 @@ answers above are never more than T tokens back, so nothing asks the state to ke
 of the rows recall from the stream instead: an episode writes a trigger and its answer into the row's stream (the
 stream starts a new document there), then for k steps (k drawn from 1 ... K, log-uniformly or, with ``recall_draw``
 ``uniform``, uniformly: a quarter of the rows' steps then ask from the farthest half) the row's training sequence
-is filler ending in the trigger, and its target that answer, up to K T tokens back. The gradient stops at the stream's
+is filler ending in the trigger, and its target that answer, up to K N tokens back. The gradient stops at the stream's
 state (truncated backpropagation through time), so what is learned is to keep the answer through the T tokens of each
 step, whatever state it arrives in, and to read it at the trigger.
 
@@ -55,8 +56,8 @@ class TaskSource:
 
     def __init__(self, task: Task, batch_size: int, seed: int = 0, eval_sequences: int = 256,
                  eval_batch_size: int = 32, eval_seed: int = EVAL_SEED, prefix_stream: bool = False,
-                 stream_recall: int = 0, recall_episodes: str = "new-document", recall_draw: str = "log-uniform"
-                 ) -> None:
+                 stream_recall: int = 0, recall_episodes: str = "new-document", recall_draw: str = "log-uniform",
+                 stream_advance: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")
         if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
@@ -67,6 +68,12 @@ class TaskSource:
                              f"batch {batch_size})")
         if recall_episodes not in EPISODES:
             raise ValueError(f"recall_episodes={recall_episodes!r}: choose one of {', '.join(EPISODES)}")
+        advance = task.seq_len if stream_advance is None else stream_advance
+        if isinstance(advance, bool) or not isinstance(advance, int) or advance < 2:
+            raise ValueError(f"stream_advance={stream_advance!r} must be an integer of at least 2 (tokens a step: room "
+                             "for a trigger and its answer)")
+        if stream_advance is not None and not prefix_stream:
+            raise ValueError(f"stream_advance={stream_advance} is how far the prefix stream advances: set it")
         if recall_draw not in DRAWS:
             raise ValueError(f"recall_draw={recall_draw!r}: choose one of {', '.join(DRAWS)}")
         for name, value, default in (("recall_episodes", recall_episodes, EPISODES[0]),
@@ -76,6 +83,7 @@ class TaskSource:
         self.task, self.batch_size, self.seed = task, batch_size, seed
         self.index = 0
         self.prefix_stream = bool(prefix_stream)
+        self.stream_advance = advance
         self.stream_recall = stream_recall
         self._recall_rows = range(batch_size - batch_size // 2, batch_size) if stream_recall else range(0)
         self._answer = [-1] * batch_size  # the answer each recall row's stream holds
@@ -116,6 +124,8 @@ class TaskSource:
             stream = self._stream
             state["prefix_stream"] = ({"length": stream.length, "started": stream.started} if stream is not None
                                       else self._stream_counters)
+            if self.stream_advance != self.task.seq_len:  # (checkpoints of the default read as before)
+                state["stream_advance"] = self.stream_advance
         if self.stream_recall:
             state["stream_recall"] = {"steps": self.stream_recall, "answer": list(self._answer),
                                       "left": list(self._left)}
@@ -137,6 +147,10 @@ class TaskSource:
         if self.prefix_stream != ("prefix_stream" in state):
             raise ValueError(f"the checkpoint was trained {'with' if 'prefix_stream' in state else 'without'} the "
                              f"prefix stream, this run {'with' if self.prefix_stream else 'without'} it")
+        advance = state.get("stream_advance", self.task.seq_len)
+        if self.prefix_stream and advance != self.stream_advance:
+            raise ValueError(f"the checkpoint's prefix stream advanced {advance} tokens a step, this run's "
+                             f"{self.stream_advance}")
         self._stream, self._stream_counters = None, dict(state.get("prefix_stream") or {})
         self._advances.clear()
         recall = state.get("stream_recall") or {"steps": 0}
@@ -164,9 +178,9 @@ class TaskSource:
 
     def initial_cache(self, model: CausalLM) -> Cache | None:
         """The cache the rows of the batch just drawn continue: with ``prefix_stream``, a copy of the stream's after it
-        advanced ``seq_len`` more filler tokens (drawn from the batch index; with ``stream_recall``, the trigger and
-        answer of each episode begun at this batch written in, as a new document; no gradients, in the caller's
-        autocast); None without (each row starts from an empty state)."""
+        advanced ``stream_advance`` more filler tokens (drawn from the batch index; with ``stream_recall``, the
+        trigger and answer of each episode begun at this batch written in, as a new document; no gradients, in the
+        caller's autocast); None without (each row starts from an empty state)."""
         if not self.prefix_stream:
             return None
         if self._stream is None:
@@ -174,14 +188,14 @@ class TaskSource:
         if not self._advances:
             raise RuntimeError("initial_cache: every batch drawn has been continued already (draw one first)")
         index, write, restart = self._advances.popleft()
-        T = self.task.seq_len
-        tokens = self.task.filler(self.batch_size, T, np.random.default_rng([self.seed, 1, index]))
+        N = self.stream_advance
+        tokens = self.task.filler(self.batch_size, N, np.random.default_rng([self.seed, 1, index]))
         for row, (p, answer) in write.items():
             tokens[row, p], tokens[row, p + 1] = InductionHeads.TRIGGER, answer
         positions = None  # each row continues its document, but those that start a new one (position 0)
         if restart:
-            positions = self._stream.position[:, None].cpu() + torch.arange(T)
-            positions[restart] = torch.arange(T)
+            positions = self._stream.position[:, None].cpu() + torch.arange(N)
+            positions[restart] = torch.arange(N)
             positions = positions.to(model.device)
         with torch.no_grad():
             model(torch.from_numpy(tokens).to(model.device), positions, cache=self._stream, logits_to_keep=1)
@@ -191,7 +205,7 @@ class TaskSource:
         """Make the recall rows of ``batch`` ask for the answers their streams hold; start an episode on each row
         whose last one ended. Returns what the stream's advance for this batch writes ({row: (position, answer)})
         and the rows it starts as new documents (none without ``stream_recall``)."""
-        T, V = self.task.seq_len, self.task.vocab_size
+        T, N, V = self.task.seq_len, self.stream_advance, self.task.vocab_size
         write, restart = {}, []
         for row in self._recall_rows:
             if self._left[row] == 0:  # the row's episode ended (or none began): begin the next
@@ -205,7 +219,7 @@ class TaskSource:
                     continue
                 self._lead[row] = -1
                 self._answer[row] = int(rng.integers(1, V))
-                write[row] = (int(rng.integers(0, T - 1)), self._answer[row])
+                write[row] = (int(rng.integers(0, N - 1)), self._answer[row])
                 self._left[row] = self._steps(rng)
             ids = self.task.filler(1, T, rng)[0]
             ids[-1] = InductionHeads.TRIGGER

@@ -77,7 +77,8 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
                     model: dict[str, Any] | None = None, stop_accuracy: float | None = None,
                     compile: bool = False, precision: str = "auto", compile_fallback: bool = False,
                     init: str | None = None, prefix_stream: bool = False, stream_recall: int = 0,
-                    recall_episodes: str = "new-document", recall_draw: str = "log-uniform") -> dict[str, Any]:
+                    recall_episodes: str = "new-document", recall_draw: str = "log-uniform",
+                    stream_advance: int | None = None) -> dict[str, Any]:
     """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None.
     ``stop_accuracy``: end the run at the first evaluation whose held-out accuracy reaches it (None: train every
     step); ``compile``: the trainer's compiled step (``griffin train --compile``); ``precision``: the trainer's
@@ -87,7 +88,8 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
     length) instead of a new one; ``prefix_stream``: each training sequence continues a stream of the task's filler
     (:mod:`griffin.synth.source`; induction heads, Hawk and Griffin); ``stream_recall`` K: half the rows recall an
     answer their stream took in up to K steps before (with ``prefix_stream``), written where ``recall_episodes`` says
-(:data:`griffin.synth.source.EPISODES`), k steps back drawn as ``recall_draw`` says (``DRAWS``)."""
+    (:data:`griffin.synth.source.EPISODES`), k steps back drawn as ``recall_draw`` says (``DRAWS``);
+    ``stream_advance``: the filler tokens the stream takes in each step (None: the sequence length)."""
     budget = BUDGETS[task.name]
     opts: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "lr": lr, "eval_every": eval_every,
                             "eval_sequences": eval_sequences}
@@ -120,6 +122,13 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
         if not prefix_stream:
             raise ValueError(f"--stream-recall {stream_recall} recalls from the prefix stream: add --prefix-stream")
         opts["stream_recall"] = stream_recall
+    if stream_advance is not None:
+        if isinstance(stream_advance, bool) or not isinstance(stream_advance, int) or stream_advance < 2:
+            raise ValueError(f"stream_advance={stream_advance!r} must be an integer of at least 2")
+        if not prefix_stream:
+            raise ValueError(f"--stream-advance {stream_advance} is how far the prefix stream advances: add "
+                             "--prefix-stream")
+        opts["stream_advance"] = stream_advance
     for name, value, choices in (("recall_episodes", recall_episodes, EPISODES), ("recall_draw", recall_draw, DRAWS)):
         if value not in choices:
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
@@ -200,7 +209,7 @@ def train_task(task: Task, family: str, out: str | Path, *, resume: bool = False
     source = TaskSource(task, batch_size, seed=opts["seed"], eval_sequences=opts["eval_sequences"],
                         prefix_stream=opts.get("prefix_stream", False), stream_recall=opts.get("stream_recall", 0),
                         recall_episodes=opts.get("recall_episodes", EPISODES[0]),
-                        recall_draw=opts.get("recall_draw", DRAWS[0]))
+                        recall_draw=opts.get("recall_draw", DRAWS[0]), stream_advance=opts.get("stream_advance"))
     start = time.perf_counter()
     trainer = Trainer(cfg, source=source)
     write_json(out / TASK_FILE, task.to_dict())  # from the start: a checkpoint of the run is evaluable (synth eval)
