@@ -73,13 +73,14 @@ class TaskSource:
             raise ValueError(f"stream_advance={stream_advance!r} must be an integer of at least 2 (tokens a step: room "
                              "for a trigger and its answer)")
         if stream_advance is not None and not prefix_stream:
-            raise ValueError(f"stream_advance={stream_advance} is how far the prefix stream advances: set it")
+            raise ValueError(f"stream_advance={stream_advance} is how far the prefix stream advances: set "
+                             "prefix_stream")
         if recall_draw not in DRAWS:
             raise ValueError(f"recall_draw={recall_draw!r}: choose one of {', '.join(DRAWS)}")
         for name, value, default in (("recall_episodes", recall_episodes, EPISODES[0]),
                                      ("recall_draw", recall_draw, DRAWS[0])):
             if value != default and not stream_recall:
-                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set it")
+                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set stream_recall")
         self.task, self.batch_size, self.seed = task, batch_size, seed
         self.index = 0
         self.prefix_stream = bool(prefix_stream)

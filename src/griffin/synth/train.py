@@ -134,7 +134,7 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
             raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
         if value != choices[0]:
             if not stream_recall:
-                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set it")
+                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set --stream-recall K")
             opts[name] = value
     opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}),
                 stop_accuracy=stop_accuracy, compile=bool(compile), precision=precision,
