@@ -79,7 +79,7 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    help="with --prefix-stream: half the rows ask for an answer their stream took in 1 to K steps "
                         "before (up to K x --stream-advance tokens back; the gradient stops at the stream's state)")
     g.add_argument("--stream-advance", type=int, default=None, metavar="N",
-                   help="with --prefix-stream: the filler tokens the stream takes in each step (default --seq-len); "
+                   help="with --prefix-stream: the filler tokens the stream takes in each step (default: --seq-len); "
                         "--stream-recall K then asks up to K x N tokens back")
     g.add_argument("--recall-episodes", choices=EPISODES, default=EPISODES[0],
                    help="with --stream-recall, where an episode writes its answer: new-document (into an empty "
