@@ -47,6 +47,44 @@ EPISODES = ("new-document", "after-filler", "continue")  # where a recall episod
 DRAWS = ("log-uniform", "uniform")  # how its steps k are drawn
 
 
+def stream_options(task: Task, batch_size: int, *, prefix_stream: bool = False, stream_recall: int = 0,
+                   recall_episodes: str = EPISODES[0], recall_draw: str = DRAWS[0],
+                   stream_advance: int | None = None) -> dict[str, Any]:
+    """Check the prefix stream's settings (``griffin synth --prefix-stream``, ``--stream-recall``,
+    ``--recall-episodes``, ``--recall-draw``, ``--stream-advance``) before anything trains, raising a ValueError that
+    names the offending one; return those that differ from their defaults (what a run records in its options, so
+    that the options of runs without them stay as they were)."""
+    opts: dict[str, Any] = {}
+    if prefix_stream:
+        task.filler(1, 1, np.random.default_rng(0))  # a task without a filler stream is refused here
+        opts["prefix_stream"] = True
+    if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
+        raise ValueError(f"stream_recall={stream_recall!r} must be a non-negative integer (steps back)")
+    if stream_recall:
+        if not prefix_stream:
+            raise ValueError(f"--stream-recall {stream_recall} recalls from the prefix stream: add --prefix-stream")
+        if not isinstance(task, InductionHeads) or batch_size < 2:
+            raise ValueError(f"--stream-recall {stream_recall}: recalls from the prefix stream of induction heads, "
+                             f"in half of a batch of at least 2 (got {task.name}, batch {batch_size})")
+        opts["stream_recall"] = stream_recall
+    if stream_advance is not None:
+        if isinstance(stream_advance, bool) or not isinstance(stream_advance, int) or stream_advance < 2:
+            raise ValueError(f"stream_advance={stream_advance!r} must be an integer of at least 2 (tokens a step: "
+                             "room for a trigger and its answer)")
+        if not prefix_stream:
+            raise ValueError(f"--stream-advance {stream_advance} is how far the prefix stream advances: add "
+                             "--prefix-stream")
+        opts["stream_advance"] = stream_advance
+    for name, value, choices in (("recall_episodes", recall_episodes, EPISODES), ("recall_draw", recall_draw, DRAWS)):
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
+        if value != choices[0]:
+            if not stream_recall:
+                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set --stream-recall K")
+            opts[name] = value
+    return opts
+
+
 class TaskSource:
     """Batch ``i`` of the training stream is drawn from ``np.random.default_rng([seed, 0, i])``, so the stream is
     reproducible from the seed and resumes from the batch index alone. Every row is one sequence from position 0
@@ -60,27 +98,9 @@ class TaskSource:
                  stream_advance: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")
-        if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
-            raise ValueError(f"stream_recall={stream_recall!r} must be a non-negative integer (steps back)")
-        if stream_recall and (not prefix_stream or not isinstance(task, InductionHeads) or batch_size < 2):
-            raise ValueError(f"--stream-recall {stream_recall}: recalls from the prefix stream of induction heads, "
-                             f"in half of a batch of at least 2 (got {task.name}, prefix stream {bool(prefix_stream)}, "
-                             f"batch {batch_size})")
-        if recall_episodes not in EPISODES:
-            raise ValueError(f"recall_episodes={recall_episodes!r}: choose one of {', '.join(EPISODES)}")
+        stream_options(task, batch_size, prefix_stream=prefix_stream, stream_recall=stream_recall,
+                       recall_episodes=recall_episodes, recall_draw=recall_draw, stream_advance=stream_advance)
         advance = task.seq_len if stream_advance is None else stream_advance
-        if isinstance(advance, bool) or not isinstance(advance, int) or advance < 2:
-            raise ValueError(f"stream_advance={stream_advance!r} must be an integer of at least 2 (tokens a step: room "
-                             "for a trigger and its answer)")
-        if stream_advance is not None and not prefix_stream:
-            raise ValueError(f"stream_advance={stream_advance} is how far the prefix stream advances: set "
-                             "prefix_stream")
-        if recall_draw not in DRAWS:
-            raise ValueError(f"recall_draw={recall_draw!r}: choose one of {', '.join(DRAWS)}")
-        for name, value, default in (("recall_episodes", recall_episodes, EPISODES[0]),
-                                     ("recall_draw", recall_draw, DRAWS[0])):
-            if value != default and not stream_recall:
-                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set stream_recall")
         self.task, self.batch_size, self.seed = task, batch_size, seed
         self.index = 0
         self.prefix_stream = bool(prefix_stream)
@@ -94,8 +114,6 @@ class TaskSource:
         # per batch drawn and not yet continued (a trainer draws every micro-batch of a step first): its index, the
         # (position, answer) each recall row's stream takes in, and the rows whose stream starts a new document
         self._advances: deque[tuple[int, dict[int, tuple[int, int]], list[int]]] = deque()
-        if self.prefix_stream:
-            task.filler(1, 1, np.random.default_rng(0))  # a task without a filler stream is refused here
         self._stream: Cache | None = None
         self._stream_counters: dict[str, Any] = {}  # (length, started) of a resumed stream, until it is made
         self._stream_tensors: dict[str, Tensor] = {}  # its tensors, likewise

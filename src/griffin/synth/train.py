@@ -17,14 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from griffin.config import FAMILIES
 from griffin.interop import save_pretrained
 from griffin.io import write_json
 from griffin.synth.evaluate import TASK_FILE, run_files
 from griffin.synth.plots import plot_accuracy
-from griffin.synth.source import DRAWS, EPISODES, TaskSource
+from griffin.synth.source import DRAWS, EPISODES, TaskSource, stream_options
 from griffin.synth.tasks import Task
 from griffin.training import StopRequest, TrainConfig, Trainer, TrainingStopped
 from griffin.training.config import PRECISIONS
@@ -113,29 +111,9 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
     if init is not None and model:
         raise ValueError(f"model overrides {sorted(model)} with init={init!r}: a run started from another keeps its "
                          "model")
-    if prefix_stream:  # (recorded only when set: the options of earlier runs, which had none, stay the same)
-        task.filler(1, 1, np.random.default_rng(0))  # a task without a filler stream is refused before training
-        opts["prefix_stream"] = True
-    if isinstance(stream_recall, bool) or not isinstance(stream_recall, int) or stream_recall < 0:
-        raise ValueError(f"stream_recall={stream_recall!r} must be a non-negative integer (steps back)")
-    if stream_recall:
-        if not prefix_stream:
-            raise ValueError(f"--stream-recall {stream_recall} recalls from the prefix stream: add --prefix-stream")
-        opts["stream_recall"] = stream_recall
-    if stream_advance is not None:
-        if isinstance(stream_advance, bool) or not isinstance(stream_advance, int) or stream_advance < 2:
-            raise ValueError(f"stream_advance={stream_advance!r} must be an integer of at least 2")
-        if not prefix_stream:
-            raise ValueError(f"--stream-advance {stream_advance} is how far the prefix stream advances: add "
-                             "--prefix-stream")
-        opts["stream_advance"] = stream_advance
-    for name, value, choices in (("recall_episodes", recall_episodes, EPISODES), ("recall_draw", recall_draw, DRAWS)):
-        if value not in choices:
-            raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
-        if value != choices[0]:
-            if not stream_recall:
-                raise ValueError(f"{name}={value!r} shapes the episodes of --stream-recall: set --stream-recall K")
-            opts[name] = value
+    opts.update(stream_options(task, opts["batch_size"], prefix_stream=prefix_stream, stream_recall=stream_recall,
+                               recall_episodes=recall_episodes, recall_draw=recall_draw,
+                               stream_advance=stream_advance))
     opts.update(seed=seed, warmup_steps=warmup_steps, weight_decay=weight_decay, model=dict(model or {}),
                 stop_accuracy=stop_accuracy, compile=bool(compile), precision=precision,
                 compile_fallback=bool(compile_fallback), init=None if init is None else str(init))
