@@ -158,6 +158,10 @@ def test_stream_recall_is_refused_where_it_cannot_recall(tmp_path):
             TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=bad)
     with pytest.raises(ValueError, match="in half of a batch of at least 2"):
         TaskSource(InductionHeads(seq_len=12), 1, prefix_stream=True, stream_recall=2)
+    with pytest.raises(ValueError, match="in half of a batch of at least 2"):  # before the run's directory is made
+        train_task(InductionHeads(seq_len=16), "hawk", tmp_path / "b1", prefix_stream=True, stream_recall=2,
+                   **{**QUICK, "batch_size": 1})
+    assert not (tmp_path / "b1").exists()
     saved = TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=2).state_dict()
     with pytest.raises(ValueError, match="up to 2 steps back, this run 3"):
         TaskSource(InductionHeads(seq_len=12), 2, prefix_stream=True, stream_recall=3).load_state_dict(saved)
