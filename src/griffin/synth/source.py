@@ -94,7 +94,7 @@ class TaskSource:
 
     def __init__(self, task: Task, batch_size: int, seed: int = 0, eval_sequences: int = 256,
                  eval_batch_size: int = 32, eval_seed: int = EVAL_SEED, prefix_stream: bool = False,
-                 stream_recall: int = 0, recall_episodes: str = "new-document", recall_draw: str = "log-uniform",
+                 stream_recall: int = 0, recall_episodes: str = EPISODES[0], recall_draw: str = DRAWS[0],
                  stream_advance: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be positive")

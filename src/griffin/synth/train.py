@@ -75,7 +75,7 @@ def resolve_options(task: Task, *, steps: int | None = None, batch_size: int | N
                     model: dict[str, Any] | None = None, stop_accuracy: float | None = None,
                     compile: bool = False, precision: str = "auto", compile_fallback: bool = False,
                     init: str | None = None, prefix_stream: bool = False, stream_recall: int = 0,
-                    recall_episodes: str = "new-document", recall_draw: str = "log-uniform",
+                    recall_episodes: str = EPISODES[0], recall_draw: str = DRAWS[0],
                     stream_advance: int | None = None) -> dict[str, Any]:
     """The training settings of a run: the given ones, the task's budget (:data:`BUDGETS`) for those left None.
     ``stop_accuracy``: end the run at the first evaluation whose held-out accuracy reaches it (None: train every
