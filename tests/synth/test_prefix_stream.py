@@ -211,3 +211,24 @@ def test_batches_drawn_ahead_are_continued_in_their_own_order(gen):
                 torch.testing.assert_close(t, cache.tensors()[name], msg=name)
     with pytest.raises(RuntimeError, match="draw one first"):
         ahead.initial_cache(model)
+
+
+def test_the_compiled_advance_takes_in_what_the_eager_one_does(gen):
+    """``initial_cache(model, compile=True)`` (the trainer's ``--compile``): the stream's advance under torch.compile
+    leaves the cache the eager advance does, within float32 rounding, and the same host-side counters, through the
+    stream's first advance, later ones, and the new documents recall episodes start (Griffin: every kind of block)."""
+    torch.manual_seed(int(torch.randint(0, 2**20, (1,), generator=gen)))
+    seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+    model = model_of("griffin").float()
+    sources = [TaskSource(InductionHeads(seq_len=12), 4, seed=seed, eval_sequences=2, prefix_stream=True,
+                          stream_recall=2, stream_advance=10) for _ in range(2)]
+    restarts = 0
+    for _ in range(6):
+        for source in sources:
+            next(source)
+        eager, compiled = sources[0].initial_cache(model), sources[1].initial_cache(model, compile=True)
+        restarts += not eager.started  # (an advance with positions: it starts new documents)
+        assert (compiled.length, compiled.started) == (eager.length, eager.started)
+        for name, t in eager.tensors().items():
+            torch.testing.assert_close(compiled.tensors()[name], t, msg=name)
+    assert restarts >= 1  # a recall episode began a new document: the advance with positions

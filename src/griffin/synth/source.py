@@ -35,13 +35,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from griffin.data import Batch
 from griffin.model import Cache, CausalLM
 from griffin.ops.cross_entropy import IGNORE_INDEX
 from griffin.synth.evaluate import EVAL_SEED, held_out, score
 from griffin.synth.tasks import InductionHeads, Task
+from griffin.training.fast import CompiledStep
 
 EPISODES = ("new-document", "after-filler", "continue")  # where a recall episode writes (the module's docstring)
 DRAWS = ("log-uniform", "uniform")  # how its steps k are drawn
@@ -85,6 +86,18 @@ def stream_options(task: Task, batch_size: int, *, prefix_stream: bool = False, 
     return opts
 
 
+class _StreamAdvance(nn.Module):
+    """The prefix stream's advance: ``model`` takes in tokens (B, N) into the stream's cache (a module, so that
+    :class:`griffin.training.fast.CompiledStep` compiles it as it does the training step)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, positions: Tensor | None, stream: Cache) -> None:
+        self.model(tokens, positions, cache=stream, logits_to_keep=1)
+
+
 class TaskSource:
     """Batch ``i`` of the training stream is drawn from ``np.random.default_rng([seed, 0, i])``, so the stream is
     reproducible from the seed and resumes from the batch index alone. Every row is one sequence from position 0
@@ -117,6 +130,7 @@ class TaskSource:
         self._stream: Cache | None = None
         self._stream_counters: dict[str, Any] = {}  # (length, started) of a resumed stream, until it is made
         self._stream_tensors: dict[str, Tensor] = {}  # its tensors, likewise
+        self._compiled_advance: tuple[CausalLM, CompiledStep] | None = None  # (model, its advance under compile)
         self.vocab_size = task.vocab_size
         self.description = repr(task)
         self.baseline_loss = task.baseline_loss
@@ -195,11 +209,15 @@ class TaskSource:
         """Continue the stream of :meth:`state_tensors` (with :meth:`load_state_dict`'s counters)."""
         self._stream, self._stream_tensors = None, dict(tensors)
 
-    def initial_cache(self, model: CausalLM) -> Cache | None:
+    def initial_cache(self, model: CausalLM, compile: bool = False, fallback: bool = False) -> Cache | None:
         """The cache the rows of the batch just drawn continue: with ``prefix_stream``, a copy of the stream's after it
         advanced ``stream_advance`` more filler tokens (drawn from the batch index; with ``stream_recall``, the
         trigger and answer of each episode begun at this batch written in, as a new document; no gradients, in the
-        caller's autocast); None without (each row starts from an empty state)."""
+        caller's autocast); None without (each row starts from an empty state).
+
+        ``compile`` (the trainer's ``--compile``): the advance runs under ``torch.compile``, as the training step does
+        (:class:`griffin.training.fast.CompiledStep`: a compiler failure raises, or with ``fallback`` runs it
+        uncompiled); the stream it leaves is the eager advance's within rounding."""
         if not self.prefix_stream:
             return None
         if self._stream is None:
@@ -216,9 +234,18 @@ class TaskSource:
             positions = self._stream.position[:, None].cpu() + torch.arange(N)
             positions[restart] = torch.arange(N)
             positions = positions.to(model.device)
+        advance = self._advance_step(model, fallback) if compile else _StreamAdvance(model)
+        length = self._stream.length
         with torch.no_grad():
-            model(torch.from_numpy(tokens).to(model.device), positions, cache=self._stream, logits_to_keep=1)
+            advance(torch.from_numpy(tokens).to(model.device), positions, self._stream)
+        # the host-side counters, as an eager forward sets them (a compiled one leaves them to its caller)
+        self._stream.length, self._stream.started = length + N, positions is None
         return self._stream.copy()
+
+    def _advance_step(self, model: CausalLM, fallback: bool) -> CompiledStep:
+        if self._compiled_advance is None or self._compiled_advance[0] is not model:
+            self._compiled_advance = (model, CompiledStep(_StreamAdvance(model), fallback))
+        return self._compiled_advance[1]
 
     def _recall(self, batch: Batch, rng: np.random.Generator) -> tuple[dict[int, tuple[int, int]], list[int]]:
         """Make the recall rows of ``batch`` ask for the answers their streams hold; start an episode on each row

@@ -617,7 +617,10 @@ class Trainer:
         targets = self._shard(batch.targets).to(self.device, non_blocking=True)
         with self._autocast():
             # a source whose rows continue a state (griffin.synth.source's prefix stream) gives the cache they do
-            cache = self.source.initial_cache(self.model) if hasattr(self.source, "initial_cache") else None
+            cache = None
+            if hasattr(self.source, "initial_cache"):  # (its advance compiled as the step is)
+                compiled = isinstance(self.forward, CompiledStep) and self.forward.compiled
+                cache = self.source.initial_cache(self.model, compile=compiled, fallback=self.cfg.compile_fallback)
             kwargs = {} if cache is None else {"cache": cache}
             loss = self.forward(ids, positions, targets=targets, loss_chunk=self.cfg.loss_chunk, **kwargs)
         return loss, (targets != IGNORE_INDEX).sum()
