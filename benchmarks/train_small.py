@@ -16,7 +16,10 @@ T = 256 with batches of 16 and 64, and on selective copying at T = 1024 with bat
 (``griffin-cpu``, T = 256, batch 16) on the embedded corpus. ``--main-job`` also trains the README's main job to
 the end each way, each a ``griffin train`` process (``--compile``; ``--precision bf16`` with ``--bf16``; the
 ``--base`` revision's too) after a short run that warms its caches: wall time from outside (imports, compilation
-and evaluations included) and the final validation loss of each.
+and evaluations included) and the final validation loss of each. Asked for by name, ``{hawk,griffin}-256x32-far``:
+the far-recall stage of docs/experiments.md (induction heads at T = 256, batches of 32, each row continuing a prefix
+stream that takes in 2,048 filler tokens a step without gradients, ``--stream-advance 2048 --stream-recall 64
+--recall-draw uniform``); tokens/s and MFU count the training tokens only, the stream's forward is in the time.
 
     python benchmarks/train_small.py                      # every case, about 10 minutes on 2 cores
     python benchmarks/train_small.py --main-job           # and the main job each way (about 10 minutes more)
@@ -32,6 +35,7 @@ thread count it ended with is reported (a version that lost ``--threads`` shows 
 (or ``fast``) times that revision's compiled step instead: what a change of the fast path bought.
 
     python benchmarks/train_small.py --cases mqa-1024x16 --bf16 --base 0c3c8ca --base-step fast_bf16 --threads 1
+    python benchmarks/train_small.py --cases griffin-256x32-far --bf16 --base 573da90 --base-step fast_bf16 --threads 1
 
 Writes JSON (``--out``, default benchmarks/results/train_small.json).
 """
@@ -83,6 +87,12 @@ class Case:
     seq_len: int
     batch_size: int
     task: str | None  # a synthetic task, or None: the embedded corpus (the main job's data)
+    stream: tuple[tuple[str, Any], ...] = ()  # TaskSource's prefix-stream options (griffin synth --prefix-stream)
+
+
+# the far-recall stage of docs/experiments.md ("Far answers"): each step's rows continue a stream that takes in 2,048
+# filler tokens a row without gradients first
+FAR_RECALL = (("prefix_stream", True), ("stream_advance", 2048), ("stream_recall", 64), ("recall_draw", "uniform"))
 
 
 def cases() -> dict[str, Case]:
@@ -93,7 +103,13 @@ def cases() -> dict[str, Case]:
             name = f"{family}-{seq_len}x{batch}"
             out[name] = Case(name, f"{family}-synthetic", seq_len, batch, task)
     out["main-job"] = Case("main-job", "griffin-cpu", 256, 16, None)
+    for family in ("hawk", "griffin"):
+        out[f"{family}-256x32-far"] = Case(f"{family}-256x32-far", f"{family}-synthetic", 256, 32,
+                                           "induction_heads", FAR_RECALL)
     return out
+
+
+DEFAULT_CASES = [name for name, case in cases().items() if not case.stream]  # the far-recall ones when asked for
 
 
 def make_task(case: Case):
@@ -111,7 +127,7 @@ def trainer(case: Case, out: Path, data: Path | None, fast: bool, threads: int, 
     task = make_task(case)
     cfg = TrainConfig(preset=case.preset, data=f"synthetic:{task.name}",
                       model={"vocab_size": task.vocab_size, "attention_window": task.window}, **common)
-    return Trainer(cfg, source=TaskSource(task, case.batch_size, seed=0, eval_sequences=8))
+    return Trainer(cfg, source=TaskSource(task, case.batch_size, seed=0, eval_sequences=8, **dict(case.stream)))
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -309,8 +325,8 @@ def main_job(root: Path, threads: int, bf16: bool, base_src: str | None, steps: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     known = cases()
-    p.add_argument("--cases", nargs="+", choices=sorted(known), default=list(known), metavar="CASE",
-                   help=f"cases to measure ({', '.join(known)})")
+    p.add_argument("--cases", nargs="+", choices=sorted(known), default=DEFAULT_CASES, metavar="CASE",
+                   help=f"cases to measure ({', '.join(known)}; default: all but the -far ones)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of reference and fast steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
