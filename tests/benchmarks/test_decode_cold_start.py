@@ -42,9 +42,14 @@ def test_cached_kernels_that_generate_other_tokens_stop_the_run(tmp_path, monkey
         benchmark.main(["--dtypes", "float32", "--out", str(tmp_path / "cold.json")])
 
 
-def test_bad_counts_are_refused(tmp_path):
-    with pytest.raises(SystemExit):
-        benchmark.main(["--tokens", "0", "--out", str(tmp_path / "cold.json")])
+@pytest.mark.parametrize("option", ["--tokens", "--threads"])
+def test_bad_counts_are_refused_before_any_worker_runs(tmp_path, monkeypatch, capsys, option):
+    calls = []
+    monkeypatch.setattr(benchmark, "run_worker", fake_worker(calls))
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main([option, "0", "--out", str(tmp_path / "cold.json")])
+    assert stop.value.code == 2 and not calls
+    assert "--tokens and --threads must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
